@@ -120,8 +120,17 @@ def smollm2_dir() -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from safetensors.torch import save_model
+
         model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
-        model.save_pretrained(tmp, safe_serialization=True)
+        # A GGUF-loaded model refuses save_pretrained; its weights are already de-quantised float32, so the
+        # state dict and a config without the quantisation entry make a plain HF directory.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = "float32"
+        config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
         AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(tmp)
 
     return _publish(build, agentrl_home() / "models" / "smollm2")
@@ -139,7 +148,7 @@ def tiny_config(vocab_size: int):
         num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        torch_dtype="float32",
+        dtype="float32",
     )
 
 
