@@ -1,0 +1,297 @@
+"""Validation, normalisation and hash chains of chat messages.
+
+A conversation comes back to the gateway through an SDK, which adds or reshapes fields: ``None`` values,
+``tool_calls: []``, ``refusal: None``, content as a list of text parts, tool-call arguments re-serialised.
+:func:`normalize_message` maps every such variant to one canonical dict, so that the message an SDK sends
+back compares equal to the message the gateway returned. :func:`chain_hashes` turns a normalised
+conversation into a hash per prefix; the store finds a request's parent turn by looking up those hashes
+(O(1) per prefix, no scan). The rules are listed in ``docs/chat.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.chat.errors import ChatFormatError
+
+Message = dict[str, Any]
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# Message fields that are equivalent to absent when empty: defaults that SDKs add to what they send back.
+_EMPTY_DEFAULTS = frozenset({"tool_calls", "annotations", "audio", "function_call", "refusal", "name"})
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_TEXT_PART_TYPES = {"text"}
+_ASSISTANT_PART_TYPES = {"text", "refusal"}
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+
+def _require_str(value: object, param: str, what: str) -> str:
+    if not isinstance(value, str):
+        raise ChatFormatError(f"{what} must be a string, got {type(value).__name__}", param, "invalid_type")
+    return value
+
+
+def _validate_content(content: object, role: str, param: str) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ChatFormatError(
+            f"content of a {role} message must be a string or a list of content parts, "
+            f"got {type(content).__name__}",
+            param,
+            "invalid_type",
+        )
+    allowed = _ASSISTANT_PART_TYPES if role == "assistant" else _TEXT_PART_TYPES
+    for j, part in enumerate(content):
+        part_param = f"{param}[{j}]"
+        if not isinstance(part, Mapping):
+            raise ChatFormatError("a content part must be an object", part_param, "invalid_type")
+        kind = part.get("type")
+        if kind not in allowed:
+            raise ChatFormatError(
+                f"content part type {kind!r} is not supported for a {role} message "
+                f"(supported: {', '.join(sorted(allowed))}); this gateway serves text-only models",
+                f"{part_param}.type",
+            )
+        key = "text" if kind == "text" else "refusal"
+        _require_str(part.get(key), f"{part_param}.{key}", f"a {kind} part's {key!r}")
+
+
+def _validate_tool_calls(calls: object, param: str, seen: set[str]) -> None:
+    if not isinstance(calls, list):
+        raise ChatFormatError("tool_calls must be a list", param, "invalid_type")
+    for j, call in enumerate(calls):
+        cp = f"{param}[{j}]"
+        if not isinstance(call, Mapping):
+            raise ChatFormatError("a tool call must be an object", cp, "invalid_type")
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ChatFormatError("a tool call needs a non-empty string id", f"{cp}.id", "missing_required_parameter")
+        if call.get("type", "function") != "function":
+            raise ChatFormatError(f"tool call type must be 'function', got {call.get('type')!r}", f"{cp}.type")
+        fn = call.get("function")
+        if not isinstance(fn, Mapping):
+            raise ChatFormatError("a tool call needs a 'function' object", f"{cp}.function", "missing_required_parameter")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ChatFormatError("a tool call needs a function name", f"{cp}.function.name", "missing_required_parameter")
+        arguments = fn.get("arguments")
+        if not isinstance(arguments, (str, Mapping)):
+            raise ChatFormatError(
+                "tool call arguments must be a JSON string", f"{cp}.function.arguments", "invalid_type"
+            )
+        seen.add(call_id)
+
+
+def validate_tools(tools: object) -> None:
+    """Check the request's ``tools`` (``None`` or a list of ``{"type": "function", "function": {...}}``)."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ChatFormatError("tools must be a list", "tools", "invalid_type")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        tp = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise ChatFormatError("a tool must be an object", tp, "invalid_type")
+        if tool.get("type") != "function":
+            raise ChatFormatError(f"tool type must be 'function', got {tool.get('type')!r}", f"{tp}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping):
+            raise ChatFormatError("a tool needs a 'function' object", f"{tp}.function", "missing_required_parameter")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            raise ChatFormatError(
+                "a function name must be 1-64 characters of a-z, A-Z, 0-9, '_', '.', '-'",
+                f"{tp}.function.name",
+            )
+        if name in names:
+            raise ChatFormatError(f"duplicate function name {name!r}", f"{tp}.function.name")
+        names.add(name)
+        if fn.get("description") is not None:
+            _require_str(fn["description"], f"{tp}.function.description", "description")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise ChatFormatError("parameters must be a JSON Schema object", f"{tp}.function.parameters", "invalid_type")
+
+
+def validate_messages(messages: object, tools: object = None) -> None:
+    """Raise :class:`ChatFormatError` (with the JSON path in ``param``) if the request is malformed.
+
+    Checks: a non-empty list of objects; known roles; content present and text-only where required
+    (system, developer, user, tool); an assistant message has content or tool calls; well-formed
+    tool calls with unique ids; every ``tool`` message answers a tool call of an earlier assistant
+    message; well-formed ``tools``.
+    """
+    if not isinstance(messages, list):
+        raise ChatFormatError("messages must be a list", "messages", "invalid_type")
+    if not messages:
+        raise ChatFormatError("messages must not be empty", "messages")
+    call_ids: set[str] = set()
+    for i, msg in enumerate(messages):
+        mp = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise ChatFormatError("a message must be an object", mp, "invalid_type")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ChatFormatError(
+                f"unknown role {role!r}; valid roles: {', '.join(sorted(ROLES))}", f"{mp}.role"
+            )
+        content = msg.get("content")
+        if msg.get("name") is not None:
+            _require_str(msg["name"], f"{mp}.name", "name")
+        if role == "assistant":
+            if content is not None:
+                _validate_content(content, role, f"{mp}.content")
+            calls = msg.get("tool_calls")
+            if calls is not None:
+                before = len(call_ids)
+                _validate_tool_calls(calls, f"{mp}.tool_calls", call_ids)
+                if len(call_ids) - before != len(calls):
+                    raise ChatFormatError("tool call ids must be unique", f"{mp}.tool_calls")
+            continue
+        if content is None:
+            raise ChatFormatError(f"a {role} message needs content", f"{mp}.content", "missing_required_parameter")
+        _validate_content(content, role, f"{mp}.content")
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ChatFormatError(
+                    "a tool message needs a tool_call_id", f"{mp}.tool_call_id", "missing_required_parameter"
+                )
+            if call_id not in call_ids:
+                raise ChatFormatError(
+                    f"tool_call_id {call_id!r} does not match any tool call of an earlier assistant message",
+                    f"{mp}.tool_call_id",
+                )
+    validate_tools(tools)
+
+
+# ---------------------------------------------------------------------------------------- normalisation
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys, no insignificant whitespace, non-ASCII kept as is."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical_arguments(arguments: object) -> object:
+    """Tool-call arguments as canonical JSON text; a string that is not valid JSON is kept as is."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return canonical_json(parsed)
+    if isinstance(arguments, (Mapping, list)):
+        return canonical_json(arguments)
+    return arguments
+
+
+def _drop_none(value: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in value.items() if v is not None}
+
+
+def _normalize_content(content: object) -> object:
+    if isinstance(content, list):
+        parts = [_drop_none(p) if isinstance(p, Mapping) else p for p in content]
+        if all(isinstance(p, Mapping) and p.get("type") == "text" for p in parts):
+            return "".join(str(p.get("text", "")) for p in parts)
+        return parts
+    return content
+
+
+def _normalize_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in call.items() if v is not None and k != "index"}
+    out.setdefault("type", "function")
+    fn = call.get("function")
+    if isinstance(fn, Mapping):
+        fn_out = _drop_none(fn)
+        if "arguments" in fn_out:
+            fn_out["arguments"] = canonical_arguments(fn_out["arguments"])
+        out["function"] = fn_out
+    return out
+
+
+def normalize_message(msg: Mapping[str, Any]) -> Message:
+    """The canonical form of one message (pure; the input is not modified).
+
+    - fields whose value is ``None`` are dropped; ``tool_calls``, ``annotations``, ``audio``,
+      ``function_call``, ``refusal`` and ``name`` are also dropped when empty (``[]``, ``{}``, ``""``);
+    - content given as a list of only text parts becomes the concatenation of their texts;
+    - an assistant message's empty content (``None``, ``""``) is dropped (both mean "no text");
+    - each tool call keeps its id, gets ``type: "function"`` if missing, loses the streaming ``index``,
+      and its ``arguments`` become canonical JSON (sorted keys, compact); invalid JSON is kept as is.
+    """
+    out: Message = {}
+    for key, value in msg.items():
+        if value is None:
+            continue
+        if key in _EMPTY_DEFAULTS and value in ([], {}, ""):
+            continue
+        if key == "content":
+            value = _normalize_content(value)
+        elif key == "tool_calls" and isinstance(value, list):
+            value = [_normalize_tool_call(c) if isinstance(c, Mapping) else c for c in value]
+        out[key] = value
+    if out.get("role") == "assistant" and out.get("content") == "":
+        del out["content"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ hash chains
+
+
+def _link(previous: str, msg: Mapping[str, Any]) -> str:
+    digest = hashlib.sha256(bytes.fromhex(previous))
+    digest.update(canonical_json(normalize_message(msg)).encode("utf-8"))
+    return digest.hexdigest()
+
+
+def chain_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One hex sha256 per prefix: ``h[i] = sha256(h[i-1] || canonical_json(normalize(m[i])))``, ``h[-1] = b""``.
+
+    ``chain_hashes(ms)[k - 1]`` identifies the prefix ``ms[:k]``; equal prefixes (after normalisation)
+    give equal hashes whatever follows them.
+    """
+    hashes: list[str] = []
+    previous = ""
+    for msg in messages:
+        previous = _link(previous, msg)
+        hashes.append(previous)
+    return hashes
+
+
+def chain_hash(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The hash of the whole sequence (``chain_hashes(messages)[-1]``); the store keys turns by it."""
+    if not messages:
+        raise ValueError("chain_hash of an empty conversation")
+    return chain_hashes(messages)[-1]
+
+
+def extend_chain(previous: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """Continue a chain from a known hash (``chain_hash(a + b) == extend_chain(chain_hash(a), b)``)."""
+    for msg in messages:
+        previous = _link(previous, msg)
+    return previous
+
+
+def parent_candidates(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, str]]:
+    """``(prefix length, hash)`` of every proper prefix ending in an assistant message, longest first.
+
+    A turn is stored under ``chain_hash(request messages + [returned assistant message])``, so only
+    prefixes that end in an assistant message can name a parent; the whole request is not a candidate
+    (a parent must leave at least one new message to render).
+    """
+    hashes = chain_hashes(messages)
+    return [
+        (k, hashes[k - 1])
+        for k in range(len(messages) - 1, 0, -1)
+        if messages[k - 1].get("role") == "assistant"
+    ]

@@ -1,0 +1,232 @@
+"""Prompts as token ids from a Hugging Face chat template, and token-exact continuations of a turn.
+
+A root turn's prompt is the template's rendering of its messages (:meth:`ChatTemplate.render`). A child
+turn's prompt is NOT a re-rendering: it is the parent's exact prompt + output tokens, then
+:meth:`ChatTemplate.continuation` = ``bridge_ids`` (the end-of-turn token, when the parent's output did
+not end with one) + ``delta_ids`` (what the template renders for the new messages after an assistant turn,
+plus the generation prompt). The model's own tokens are never re-tokenized, so a template that renders
+history differently (one that strips earlier ``<think>`` blocks, say) cannot change what the model saw.
+
+The delta is cut out of the template by difference: render a short stand-in conversation that ends in an
+assistant turn (same leading system message, same tools, same tool calls as the parent), render it again
+followed by the new messages, check that the first rendering's tokens are a prefix of the second's, and
+take the rest. Templates without tool support get tools in the Hermes format (:mod:`gateway.chat.hermes`).
+:meth:`ChatTemplate.drift` says whether a re-render of the history would differ from the stitched tokens
+(the server counts it). The algorithm is written out in ``docs/chat.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
+
+from gateway.chat.errors import TemplateDriftError
+from gateway.chat.hermes import text_of, to_hermes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+Message = dict[str, Any]
+Tools = Sequence[Mapping[str, Any]] | None
+
+_PROBE_FN = "agentrl_probe_function"
+_PROBE_CALL_FN = "agentrl_probe_call"
+_PROBE_TEXT = "agentrl probe reply"
+_TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Tokens to append after a parent turn's prompt + output to prompt for the new messages."""
+
+    bridge_ids: list[int]
+    delta_ids: list[int]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """What the store records as this turn's ``prompt_ids`` (``bridge_len`` = ``len(bridge_ids)``)."""
+        return self.bridge_ids + self.delta_ids
+
+
+def _native_message(msg: Mapping[str, Any]) -> Message:
+    """A message as HF templates expect it: text content as a string, tool-call arguments as an object."""
+    out = dict(msg)
+    if isinstance(out.get("content"), list):
+        out["content"] = text_of(out["content"])
+    calls = out.get("tool_calls")
+    if calls:
+        prepared = []
+        for call in calls:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    parsed = json.loads(fn["arguments"])
+                except ValueError:
+                    parsed = None
+                if isinstance(parsed, dict):
+                    fn["arguments"] = parsed
+            call["function"] = fn
+            prepared.append(call)
+        out["tool_calls"] = prepared
+    return out
+
+
+class ChatTemplate:
+    """A tokenizer's chat template, with tools natively or in the Hermes format, and stitching."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass a tokenizer directory that has one")
+        self.tokenizer = tokenizer
+        self.native_tools = self._detect_native_tools()
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.end_of_turn_ids: list[int] = self._detect_end_of_turn()
+        stops = set(self.end_of_turn_ids)
+        if self.eos_token_id is not None:
+            stops.add(self.eos_token_id)
+        self.stop_token_ids: list[int] = sorted(stops)
+
+    # ------------------------------------------------------------------------------------ rendering
+
+    def _apply(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> str:
+        if self.native_tools:
+            prepared = [_native_message(m) for m in messages]
+            tools_arg = [dict(t) for t in tools] if tools else None
+        else:
+            prepared = to_hermes(messages, tools)
+            tools_arg = None
+        text = self.tokenizer.apply_chat_template(
+            prepared, tools=tools_arg, add_generation_prompt=generation_prompt, tokenize=False
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+        return text
+
+    def _ids(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> list[int]:
+        text = self._apply(messages, tools, generation_prompt)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_text(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> str:
+        """The prompt text of a root turn (with the generation prompt)."""
+        return self._apply(messages, tools, True)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> list[int]:
+        """The prompt ids of a root turn (with the generation prompt)."""
+        return self._ids(messages, tools, True)
+
+    # ------------------------------------------------------------------------------------ detection
+
+    def _detect_native_tools(self) -> bool:
+        """True if the template renders ``tools`` and assistant ``tool_calls`` itself."""
+        tool = {
+            "type": "function",
+            "function": {"name": _PROBE_FN, "description": "probe", "parameters": {"type": "object", "properties": {}}},
+        }
+        call = {"id": "call_probe", "type": "function", "function": {"name": _PROBE_CALL_FN, "arguments": {}}}
+        messages = [
+            {"role": "user", "content": "probe"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False)
+        except _TEMPLATE_ERRORS:
+            return False
+        return isinstance(text, str) and _PROBE_FN in text and _PROBE_CALL_FN in text
+
+    def _detect_end_of_turn(self) -> list[int]:
+        """The special token the template puts after an assistant message's content (``<|im_end|>``)."""
+        messages = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": _PROBE_TEXT}]
+        text = self._apply(messages, None, False)
+        tail = text[text.rfind(_PROBE_TEXT) + len(_PROBE_TEXT) :]
+        special = set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
+        for token in self.tokenizer.encode(tail, add_special_tokens=False):
+            if token in special:
+                return [token]
+        if self.eos_token_id is not None:
+            return [self.eos_token_id]
+        raise ValueError("cannot find the chat template's end-of-turn token (no special token after a reply, no EOS)")
+
+    # ------------------------------------------------------------------------------------ stitching
+
+    def _turn_end(self, ids: Sequence[int]) -> int:
+        """Index of the last end-of-turn token in ``ids`` (-1 if none)."""
+        for k in range(len(ids) - 1, -1, -1):
+            if ids[k] in self.end_of_turn_ids:
+                return k
+        return -1
+
+    def _stand_in(self, history: Sequence[Mapping[str, Any]]) -> list[Message]:
+        """A short conversation shaped like ``history``: its leading system message, one user turn and an
+        assistant turn with the same tool calls (templates may check tool results against them)."""
+        head = [dict(history[0])] if len(history) > 1 and history[0].get("role") in ("system", "developer") else []
+        assistant: Message = {"role": "assistant", "content": "."}
+        if history[-1].get("tool_calls"):
+            assistant["tool_calls"] = history[-1]["tool_calls"]
+        return head + [{"role": "user", "content": "."}, assistant]
+
+    def _delta(
+        self, history: Sequence[Mapping[str, Any]], new_messages: Sequence[Mapping[str, Any]], tools: Tools
+    ) -> tuple[int, list[int]]:
+        """``(end-of-turn token, tokens after it up to the generation prompt)`` for ``new_messages``."""
+        reasons: list[str] = []
+        for prefix in (self._stand_in(history), list(history)):
+            before = self._ids(prefix, tools, False)
+            after = self._ids([*prefix, *new_messages], tools, True)
+            if after[: len(before)] != before:
+                reasons.append("prefix_mismatch")
+                continue
+            k = self._turn_end(before)
+            if k < 0:
+                reasons.append("no_end_of_turn")
+                continue
+            return before[k], before[k + 1 :] + after[len(before) :]
+        raise TemplateDriftError(
+            "the chat template does not render the new messages as a suffix of the conversation "
+            f"({', '.join(reasons)})",
+            reasons[-1],
+        )
+
+    def continuation(
+        self,
+        history: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        tools: Tools,
+        parent_output_ids: Sequence[int],
+        parent_finish_reason: str | None = None,
+    ) -> Continuation:
+        """Tokens to append after the parent's exact prompt + output tokens.
+
+        ``history`` is the parent's messages ending with its returned assistant message; ``new_messages``
+        follow it. ``bridge_ids`` is the end-of-turn token when ``parent_output_ids`` does not end with
+        one (cut by length, by a stop string, or an engine that drops the stop token); the decision is
+        taken on the tokens, not on ``parent_finish_reason`` (a ``stop`` finish covers both a stop token
+        and a stop string), which is accepted for logging only. Raises :class:`TemplateDriftError`.
+        """
+        del parent_finish_reason  # the tokens decide, see the docstring
+        if not history or history[-1].get("role") != "assistant":
+            raise ValueError("history must end with the parent's assistant message")
+        end_of_turn, delta = self._delta(history, new_messages, tools)
+        ended = bool(parent_output_ids) and parent_output_ids[-1] in self.end_of_turn_ids
+        return Continuation(bridge_ids=[] if ended else [end_of_turn], delta_ids=delta)
+
+    def drift(self, parent_full_ids: Sequence[int], history_messages: Sequence[Mapping[str, Any]], tools: Tools) -> bool:
+        """True if re-rendering ``history_messages`` would not give the stitched tokens.
+
+        ``parent_full_ids`` is the parent's full sequence (all ancestors' prompts and outputs); the
+        stitched tokens through its turn are those plus the bridge. A stable template and a model whose
+        output tokenizes canonically give no drift; a template that rewrites history (strips reasoning)
+        or a non-canonical tokenization of the model's output does.
+        """
+        rendered = self._ids(history_messages, tools, False)
+        k = self._turn_end(rendered)
+        if k < 0 or not parent_full_ids:
+            return True
+        stitched = list(parent_full_ids)
+        if stitched[-1] not in self.end_of_turn_ids:
+            stitched.append(rendered[k])
+        return rendered[: k + 1] != stitched
