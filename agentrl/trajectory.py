@@ -87,6 +87,25 @@ class Turn:
             raise ValueError(f"turn {self.id}: reward {self.reward!r} is not a finite number")
 
 
+def turn_from_interaction(record: Any) -> Turn:
+    """A :class:`Turn` from any object with the store's ``Interaction`` attributes (duck-typed, so that
+    this module does not import the gateway): ``id, parent_id, prompt_ids, output_ids, output_logprobs,
+    output_versions, bridge_len, finish_reason, reward, request_hash, created_at``."""
+    return Turn(
+        id=record.id,
+        parent_id=record.parent_id,
+        prompt_ids=record.prompt_ids,
+        output_ids=record.output_ids,
+        logprobs=record.output_logprobs,
+        versions=record.output_versions,
+        bridge_len=record.bridge_len,
+        finish_reason=record.finish_reason,
+        reward=record.reward,
+        request_hash=record.request_hash,
+        created_at=record.created_at,
+    )
+
+
 @dataclass(slots=True)
 class Row:
     """One training row. Per-token arrays all have the same length; per-turn arrays one entry per turn."""
@@ -410,23 +429,27 @@ def encode_batch(rows: Sequence[Row], meta: dict[str, Any] | None = None) -> byt
         else:
             arrays[name] = cat(name, dtype)
 
+    strings: dict[str, Any] = {f: [getattr(r, f) for r in rows] for f in _STRING_FIELDS}
+    strings["turn_interaction_ids"] = [list(r.turn_interaction_ids) for r in rows]
+    return _pack(arrays, strings, len(rows), meta)
+
+
+def _pack(arrays: dict[str, np.ndarray], strings: dict[str, Any], n_rows: int, meta: dict[str, Any] | None) -> bytes:
     columns: dict[str, dict[str, Any]] = {}
     offset = 0
     for name, arr in arrays.items():
         columns[name] = {"dtype": COLUMNS[name][0], "offset": offset, "count": int(arr.shape[0])}
         offset += arr.nbytes + _pad(arr.nbytes)
-    strings: dict[str, Any] = {f: [getattr(r, f) for r in rows] for f in _STRING_FIELDS}
-    strings["turn_interaction_ids"] = [list(r.turn_interaction_ids) for r in rows]
     header = json.dumps(
-        {"meta": meta or {}, "n_rows": len(rows), "strings": strings, "columns": columns},
+        {"meta": meta or {}, "n_rows": n_rows, "strings": strings, "columns": columns},
         separators=(",", ":"),
     ).encode()
 
     out = bytearray(_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header)))
     out += header
     out += b"\0" * _pad(len(out))
-    for arr in arrays.values():
-        out += arr.tobytes()
+    for name, arr in arrays.items():
+        out += arr.astype(COLUMNS[name][0], copy=False).tobytes()
         out += b"\0" * _pad(arr.nbytes)
     return bytes(out)
 
@@ -488,6 +511,21 @@ def decode_batch(data: bytes | bytearray | memoryview) -> tuple[list[Row], dict[
             )
         )
     return rows, header["meta"]
+
+
+def merge_batches(blobs: Sequence[bytes], meta: dict[str, Any] | None = None) -> bytes:
+    """Concatenate encoded batches into one (column by column, without building Row objects)."""
+    decoded = [decode_columns(b) for b in blobs]
+    arrays = {
+        name: np.concatenate([cols[name] for cols, _ in decoded]) if decoded else np.zeros(0, dtype=dtype)
+        for name, (dtype, _) in COLUMNS.items()
+    }
+    strings: dict[str, list[Any]] = {f: [] for f in (*_STRING_FIELDS, "turn_interaction_ids")}
+    for _, header in decoded:
+        for name, values in header["strings"].items():
+            strings[name].extend(values)
+    n_rows = sum(header["n_rows"] for _, header in decoded)
+    return _pack(arrays, strings, n_rows, meta)
 
 
 def rows_to_json(rows: Iterable[Row], meta: dict[str, Any] | None = None) -> bytes:

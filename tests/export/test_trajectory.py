@@ -16,6 +16,8 @@ from agentrl.trajectory import (
     export_concat,
     export_individual,
     export_session,
+    merge_batches,
+    turn_from_interaction,
     rows_to_json,
 )
 
@@ -265,3 +267,25 @@ def test_decode_rejects_garbage():
         decode_batch(good[:30])
     with pytest.raises(ValueError, match="past the end"):
         decode_batch(good[:-8])
+
+
+def test_merge_batches_equals_encoding_all_rows_at_once():
+    rng = np.random.default_rng(7)
+    parts = [[random_row(rng, 10 * j + i) for i in range(j + 1)] for j in range(4)]
+    merged = merge_batches([encode_batch(p, {"part": j}) for j, p in enumerate(parts)], {"lease_id": "L"})
+    whole = [r for p in parts for r in p]
+    assert merged == encode_batch(whole, {"lease_id": "L"})
+    assert decode_batch(merge_batches([]))[0] == []
+
+
+def test_turn_from_store_interaction():
+    from gateway.store.api import Interaction
+
+    rec = Interaction(id="chatcmpl-1", session_id="s", parent_id=None, request={}, response_message={},
+                      prompt_ids=[1, 2], output_ids=[3], output_logprobs=[-0.25], output_versions=[4],
+                      finish_reason="length", chain_hash="c", request_hash="r", bridge_len=0, reward=0.5,
+                      created_at=12.0)
+    t = turn_from_interaction(rec)
+    assert (t.id, t.parent_id, t.finish_reason, t.reward, t.request_hash, t.created_at) == (
+        "chatcmpl-1", None, "length", 0.5, "r", 12.0)
+    eq(t.prompt_ids, [1, 2]); eq(t.output_ids, [3]); eq(t.logprobs, [-0.25]); eq(t.versions, [4])
