@@ -18,99 +18,117 @@ little-endian bytes in SQL. Errors: see ``gateway.store.errors``.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import logging
+import math
+import secrets
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+import uuid
+from collections.abc import AsyncIterator, Collection, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any, Callable
 
-SessionStatus = Literal["active", "finished", "consumed", "abandoned"]
-SESSION_STATUSES: tuple[str, ...] = ("active", "finished", "consumed", "abandoned")
-FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from gateway.store import schema
+from gateway.store.migrate import upgrade as alembic_upgrade
+from gateway.store.dberrors import db_errors
+from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreUnavailable
+from gateway.store.packing import pack_i32, unpack_i32
 
-@dataclass(slots=True, kw_only=True)
-class SessionRecord:
-    """One session (episode). ``api_key`` is the plain key only on the record returned by
-    ``create_session``; the store keeps a SHA-256 of it, so every other read returns ``api_key=None``."""
+from gateway.store.records import (
+    SESSION_STATUSES,
+    CommitStats,
+    FinishReason,
+    Interaction,
+    ParentMatch,
+    RewardRecord,
+    SessionRecord,
+    SessionStatus,
+)
 
-    id: str
-    api_key: str | None
-    group_id: str
-    task_id: str | None
-    metadata: dict[str, Any]
-    status: SessionStatus
-    is_eval: bool
-    created_at: float
-    finished_at: float | None
-    last_activity_at: float
-    reward: float | None = None  # the session-level reward, if one was posted (export decides its use)
-    version: int = 0  # bumped on every status/reward change; keeps Redis copies from going backwards
+from gateway.store.redis_state import RedisState
+from gateway.store.rows import (
+    check_interaction,
+    interaction_from_row,
+    interaction_to_row,
+    reward_from_row,
+    session_from_row,
+)
+from gateway.store.seqcache import SequenceCache
+from gateway.store.tree import parents_first, tree_json
+from gateway.store.writer import GroupCommitWriter
 
+log = logging.getLogger(__name__)
 
-@dataclass(slots=True, kw_only=True)
-class Interaction:
-    """One turn. ``id`` is the response id (``chatcmpl-<hex>``); with ``n>1`` each choice is its own turn.
-
-    ``prompt_ids`` holds ONLY the delta beyond the parent's full sequence (for a root: the whole prompt),
-    so storage stays linear in conversation length. The full sequence of a turn is
-    ``full_sequence(parent) + prompt_ids + output_ids``. ``bridge_len`` leading prompt tokens are an
-    end-of-turn token added because the parent was cut (always loss-masked). ``output_logprobs`` and
-    ``output_versions`` have one entry per output token.
-    """
-
-    id: str
-    session_id: str
-    parent_id: str | None
-    request: dict[str, Any]  # only the messages new beyond the parent's path, plus tools and params
-    response_message: dict[str, Any]  # the assistant message exactly as returned
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    output_versions: list[int]
-    finish_reason: str
-    chain_hash: str  # hash chain over normalised messages + returned assistant message
-    request_hash: str  # hash chain over the request's normalised messages (equal for retries)
-    bridge_len: int = 0
-    reward: float | None = None
-    root_reason: str | None = None  # for roots: "first_turn", "no_prefix_match", ...
-    created_at: float = field(default_factory=time.time)
-    timings: dict[str, float] = field(default_factory=dict)  # milliseconds, by stage
+__all__ = [
+    "SESSION_STATUSES",
+    "CommitStats",
+    "FinishReason",
+    "Interaction",
+    "ParentMatch",
+    "RewardRecord",
+    "SessionRecord",
+    "SessionStatus",
+    "Store",
+]
 
 
-@dataclass(slots=True, frozen=True)
-class ParentMatch:
-    """The turn found as parent, and the length of the message prefix (the candidate) that matched."""
-
-    prefix_len: int
-    interaction: Interaction
+def hash_key(api_key: str) -> str:
+    """The SHA-256 (hex) under which a session's api key is stored and cached."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
 
 
-@dataclass(slots=True, kw_only=True, frozen=True)
-class RewardRecord:
-    """One row of the reward audit: who set which value on which target, when."""
-
-    id: int
-    session_id: str
-    interaction_id: str | None  # None for a session-level reward
-    reward: float
-    source: str
-    created_at: float
-
-
-@dataclass(slots=True, kw_only=True)
-class CommitStats:
-    """Counters of the group-commit writer (monotonic since ``open``)."""
-
-    transactions: int = 0  # committed batch transactions (successful or not)
-    rows: int = 0  # interactions committed
-    calls: int = 0  # record_interactions calls completed successfully
-    failed_calls: int = 0
-    retried_batches: int = 0  # batches that failed and were retried caller by caller
-    max_batch_calls: int = 0  # the most callers served by one transaction
+def _ancestors_sql() -> sa.TextClause:
+    return sa.text(
+        """
+        WITH RECURSIVE anc(id, parent_id, prompt_ids, output_ids, depth) AS (
+            SELECT id, parent_id, prompt_ids, output_ids, 0 FROM interactions WHERE id = :id
+            UNION ALL
+            SELECT i.id, i.parent_id, i.prompt_ids, i.output_ids, anc.depth + 1
+            FROM interactions i JOIN anc ON i.id = anc.parent_id
+        )
+        SELECT id, prompt_ids, output_ids FROM anc ORDER BY depth DESC
+        """
+    )
 
 
 class Store:
     """The durable conversation store. Create with ``await Store.open(...)``; one per process."""
+
+    def __init__(
+        self,
+        *,
+        engine: AsyncEngine,
+        write_engine: AsyncEngine,
+        redis: RedisState | None,
+        redis_prefix: str,
+        max_batch_rows: int,
+        commit_delay_s: float,
+        seq_cache_tokens: int,
+    ) -> None:
+        """Use ``Store.open``."""
+        self._engine = engine
+        self._write_engine = write_engine
+        self._is_sqlite = engine.dialect.name == "sqlite"
+        # SQLite has one writer at a time: take turns in-process instead of polling the file lock
+        self._write_lock = asyncio.Lock() if self._is_sqlite else None
+        self._redis = redis
+        self._redis_prefix = redis_prefix
+        self._seqs = SequenceCache(seq_cache_tokens)
+        self._writer = GroupCommitWriter(
+            self._write_tx,
+            lock_rows=not self._is_sqlite,
+            max_batch_rows=max_batch_rows,
+            delay_s=commit_delay_s,
+            after_commit=self._after_commit,
+        )
+        self._closed = False
 
     @classmethod
     async def open(
@@ -134,31 +152,111 @@ class Store:
         transaction. ``seq_cache_tokens`` bounds the in-process cache of full token sequences.
         Raises StoreUnavailable when the database or Redis cannot be reached.
         """
-        raise NotImplementedError
+        url = make_url(db_url)
+        backend = url.get_backend_name()
+        if backend not in ("sqlite", "postgresql"):
+            raise InvalidValue(f"unsupported database URL {db_url!r}: use sqlite+aiosqlite:///PATH or postgresql+asyncpg://...")
+        if backend == "sqlite":
+            if url.drivername != "sqlite+aiosqlite":
+                url = url.set(drivername="sqlite+aiosqlite")
+            if not url.database or url.database == ":memory:":
+                raise InvalidValue("SQLite needs a file path (sqlite+aiosqlite:///PATH); in-memory databases are not shared between connections")
+            Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        elif url.drivername != "postgresql+asyncpg":
+            url = url.set(drivername="postgresql+asyncpg")
+        url_str = url.render_as_string(hide_password=False)
+        if migrate:
+            async with db_errors():
+                await alembic_upgrade(url_str)
+        if backend == "sqlite":
+            engine = create_async_engine(url)
+            write_engine = create_async_engine(url, pool_size=1, max_overflow=0)
+            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+            event.listen(write_engine.sync_engine, "connect", _sqlite_pragmas_autobegin_off)
+            event.listen(write_engine.sync_engine, "begin", _sqlite_begin_immediate)
+        else:
+            engine = write_engine = create_async_engine(url, pool_size=10, max_overflow=20)
+        try:
+            async with db_errors(), engine.connect() as conn:
+                await conn.execute(sa.select(sa.func.count()).select_from(schema.sessions))
+        except StoreUnavailable:
+            await _dispose(engine, write_engine)
+            raise
+        redis = None
+        if redis_url:
+            try:
+                redis = await RedisState.connect(redis_url, redis_prefix)
+            except StoreUnavailable:
+                await _dispose(engine, write_engine)
+                raise
+        return cls(
+            engine=engine,
+            write_engine=write_engine,
+            redis=redis,
+            redis_prefix=redis_prefix,
+            max_batch_rows=max_batch_rows,
+            commit_delay_s=commit_delay_s,
+            seq_cache_tokens=seq_cache_tokens,
+        )
 
     async def close(self) -> None:
         """Flush pending writes, stop the writer, dispose of connections. Idempotent."""
-        raise NotImplementedError
+        if self._closed:
+            return
+        self._closed = True
+        await self._writer.close()
+        if self._redis is not None:
+            await self._redis.close()
+        await _dispose(self._engine, self._write_engine)
 
     # ---- for other store modules (export/leasing, issue 4) ----
     @property
-    def engine(self) -> Any:
-        """The SQLAlchemy ``AsyncEngine`` (for modules that add their own tables via Alembic 0002+)."""
-        raise NotImplementedError
+    def engine(self) -> AsyncEngine:
+        """The SQLAlchemy ``AsyncEngine`` (for modules that add their own tables via Alembic 0002+).
+        On SQLite, write through ``store.write_transaction()`` instead, which serialises writers."""
+        return self._engine
 
     @property
     def redis(self) -> Any | None:
         """The ``redis.asyncio.Redis`` client, or None without Redis."""
-        raise NotImplementedError
+        return self._redis.client if self._redis is not None else None
 
     @property
     def redis_prefix(self) -> str:
-        raise NotImplementedError
+        return self._redis_prefix
 
     @property
     def commit_stats(self) -> CommitStats:
         """A copy of the group-commit counters."""
-        raise NotImplementedError
+        s = self._writer.stats
+        return CommitStats(
+            transactions=s.transactions,
+            rows=s.rows,
+            calls=s.calls,
+            failed_calls=s.failed_calls,
+            retried_batches=s.retried_batches,
+            max_batch_calls=s.max_batch_calls,
+        )
+
+    def write_transaction(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A write transaction (``async with store.write_transaction() as conn``), committed on exit.
+        Database errors inside are raised as StoreError."""
+        return self._write_tx()
+
+    @asynccontextmanager
+    async def _write_tx(self) -> AsyncIterator[AsyncConnection]:
+        async with db_errors():
+            if self._write_lock is None:
+                async with self._write_engine.begin() as conn:
+                    yield conn
+            else:
+                async with self._write_lock, self._write_engine.begin() as conn:
+                    yield conn
+
+    @asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncConnection]:
+        async with db_errors(), self._engine.connect() as conn:
+            yield conn
 
     # ---- sessions ----
     async def create_session(
@@ -174,11 +272,41 @@ class Store:
         ``group_id`` defaults to the session id (a group of one). ``is_eval`` = ``metadata["eval"] is True``.
         ``session_id`` may be given (implicit episodes); a duplicate raises Conflict.
         """
-        raise NotImplementedError
+        metadata = dict(metadata or {})
+        sid = session_id or f"sess-{uuid.uuid4().hex}"
+        api_key = f"sk-agentrl-{secrets.token_urlsafe(32)}"
+        now = time.time()
+        row = {
+            "id": sid,
+            "key_hash": hash_key(api_key),
+            "group_id": group_id or sid,
+            "task_id": task_id,
+            "meta": metadata,
+            "status": "active",
+            "is_eval": metadata.get("eval") is True,
+            "reward": None,
+            "version": 0,
+            "created_at": now,
+            "finished_at": None,
+            "last_activity_at": now,
+        }
+        try:
+            async with self._write_tx() as conn:
+                await conn.execute(sa.insert(schema.sessions).values(**row))
+        except Conflict as exc:
+            raise Conflict(f"session {sid} already exists") from exc
+        record = session_from_row(row, api_key=api_key)
+        if self._redis is not None:
+            await self._redis.put_session(row["key_hash"], session_from_row(row))
+        return record
 
     async def get_session(self, *, session_id: str) -> SessionRecord:
         """The session as stored in SQL (authoritative). NotFound if unknown."""
-        raise NotImplementedError
+        async with self._read() as conn:
+            row = (await conn.execute(sa.select(schema.sessions).where(schema.sessions.c.id == session_id))).mappings().first()
+        if row is None:
+            raise NotFound(f"unknown session {session_id}")
+        return session_from_row(row)
 
     async def get_session_by_key(self, *, api_key: str) -> SessionRecord:
         """The session whose api key this is (the gateway's auth path; Redis-cached when Redis is on).
@@ -186,16 +314,35 @@ class Store:
         ``status``, ``reward`` and ids are exact (writes go through to the cache, ordered by
         ``version``); ``last_activity_at`` of a cached record may lag. NotFound if no session has it.
         """
-        raise NotImplementedError
+        key_hash = hash_key(api_key)
+        if self._redis is not None:
+            cached = await self._redis.get_session(key_hash)
+            if cached is not None:
+                return cached
+        async with self._read() as conn:
+            row = (await conn.execute(sa.select(schema.sessions).where(schema.sessions.c.key_hash == key_hash))).mappings().first()
+        if row is None:
+            raise NotFound("no session has this api key")
+        record = session_from_row(row)
+        if self._redis is not None:
+            await self._redis.put_session(key_hash, record)
+        return record
 
     async def touch_session(self, *, session_id: str, at: float | None = None) -> None:
         """Set ``last_activity_at`` (default now). ``record_interactions`` already does this. NotFound."""
-        raise NotImplementedError
+        async with self._write_tx() as conn:
+            result = await conn.execute(
+                sa.update(schema.sessions)
+                .where(schema.sessions.c.id == session_id)
+                .values(last_activity_at=time.time() if at is None else at)
+            )
+        if result.rowcount == 0:
+            raise NotFound(f"unknown session {session_id}")
 
     async def finish_session(self, *, session_id: str) -> SessionRecord:
         """Mark an active session finished (sets ``finished_at``). Idempotent: a session that is already
         finished, consumed or abandoned is returned unchanged. NotFound if unknown."""
-        raise NotImplementedError
+        return await self._change_session(session_id=session_id, status="finished", expected=None, only_from_active=True)
 
     async def set_session_status(
         self,
@@ -207,7 +354,34 @@ class Store:
         """Set the status (compare-and-set when ``expected`` is given: Conflict unless the current status
         is in it). Moving to "finished" sets ``finished_at`` if unset. NotFound; InvalidValue for an
         unknown status."""
-        raise NotImplementedError
+        if status not in SESSION_STATUSES:
+            raise InvalidValue(f"unknown session status {status!r}; valid: {', '.join(SESSION_STATUSES)}")
+        return await self._change_session(session_id=session_id, status=status, expected=expected, only_from_active=False)
+
+    async def _change_session(
+        self, *, session_id: str, status: str, expected: Collection[str] | None, only_from_active: bool
+    ) -> SessionRecord:
+        s = schema.sessions
+        async with self._write_tx() as conn:
+            query = sa.select(s).where(s.c.id == session_id)
+            if not self._is_sqlite:
+                query = query.with_for_update()
+            row = (await conn.execute(query)).mappings().first()
+            if row is None:
+                raise NotFound(f"unknown session {session_id}")
+            current = session_from_row(row)
+            if expected is not None and current.status not in expected:
+                raise Conflict(f"session {session_id} is {current.status}, expected one of {sorted(expected)}")
+            if current.status == status or (only_from_active and current.status != "active"):
+                return current
+            values: dict[str, Any] = {"status": status, "version": current.version + 1}
+            if status == "finished" and current.finished_at is None:
+                values["finished_at"] = time.time()
+            await conn.execute(sa.update(s).where(s.c.id == session_id).values(**values))
+        updated = session_from_row({**row, **values})
+        if self._redis is not None:
+            await self._redis.put_session(row["key_hash"], updated)
+        return updated
 
     async def list_sessions(
         self,
@@ -217,7 +391,17 @@ class Store:
         limit: int | None = None,
     ) -> list[SessionRecord]:
         """Sessions filtered by status (one or several) and group, oldest first."""
-        raise NotImplementedError
+        s = schema.sessions
+        query = sa.select(s).order_by(s.c.created_at, s.c.id)
+        if status is not None:
+            query = query.where(s.c.status.in_([status] if isinstance(status, str) else list(status)))
+        if group_id is not None:
+            query = query.where(s.c.group_id == group_id)
+        if limit is not None:
+            query = query.limit(limit)
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [session_from_row(row) for row in rows]
 
     # ---- turns ----
     async def find_parent(
@@ -227,12 +411,59 @@ class Store:
         first), whose chain hash is the ``chain_hash`` of a turn of this session. If several turns share
         that hash (retries), the most recent wins. One index probe per candidate (Redis hash, else one
         indexed SQL query for all candidates); None when nothing matches."""
-        raise NotImplementedError
+        if not candidates:
+            return None
+        hashes = [h for _, h in candidates]
+        if self._redis is not None:
+            found = await self._redis.chain_lookup(session_id, hashes[:1])
+            if found[0] is not None:  # the longest candidate: nothing can beat it
+                try:
+                    return ParentMatch(candidates[0][0], await self.get_interaction(interaction_id=found[0]))
+                except NotFound:
+                    log.warning("redis chain index points at unknown interaction %s; using SQL", found[0])
+        i = schema.interactions
+        query = (
+            sa.select(i)
+            .where(i.c.session_id == session_id, i.c.chain_hash.in_(set(hashes)))
+            .order_by(i.c.created_at.desc(), i.c.id.desc())
+        )
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        newest: dict[str, Any] = {}
+        for row in rows:
+            newest.setdefault(row["chain_hash"], row)
+        if self._redis is not None and newest:
+            await self._redis.chain_add(
+                [(session_id, h, row["id"]) for h, row in newest.items()], only_missing=True
+            )
+        for prefix_len, chain_hash in candidates:
+            if chain_hash in newest:
+                return ParentMatch(prefix_len, interaction_from_row(newest[chain_hash]))
+        return None
 
     async def full_sequence(self, *, interaction_id: str) -> list[int]:
         """All tokens of a turn: parent's full sequence + its prompt delta + its output. Cached (memory,
         then Redis); a miss walks the ancestors in one SQL query. NotFound if unknown."""
-        raise NotImplementedError
+        return unpack_i32(await self._full_packed(interaction_id))
+
+    async def _full_packed(self, interaction_id: str) -> bytes:
+        packed = self._seqs.get(interaction_id)
+        if packed is not None:
+            return packed
+        if self._redis is not None:
+            packed = await self._redis.seq_get(interaction_id)
+            if packed is not None:
+                self._seqs.put(interaction_id, packed)
+                return packed
+        async with self._read() as conn:
+            rows = (await conn.execute(_ancestors_sql(), {"id": interaction_id})).all()
+        if not rows:
+            raise NotFound(f"unknown interaction {interaction_id}")
+        packed = b"".join(bytes(part) for row in rows for part in (row.prompt_ids, row.output_ids))
+        self._seqs.put(interaction_id, packed)
+        if self._redis is not None:
+            await self._redis.seq_put([(interaction_id, packed)])
+        return packed
 
     async def record_interactions(self, interactions: Sequence[Interaction]) -> None:
         """Durably record turns; returns only after they are committed.
@@ -244,16 +475,50 @@ class Store:
         active, parent from another session, duplicate id), InvalidValue (array lengths disagree),
         StoreUnavailable. Also sets the sessions' ``last_activity_at`` and updates the Redis index.
         """
-        raise NotImplementedError
+        if not interactions:
+            return
+        for it in interactions:
+            check_interaction(it)
+        rows = [interaction_to_row(it) for it in interactions]
+        await self._writer.submit(list(interactions), rows)
+
+    async def _after_commit(self, interactions: list[Interaction]) -> None:
+        """Cache the new turns' full sequences (when the parent's is at hand) and publish their chain
+        hashes to Redis, before their callers are answered."""
+        sequences: list[tuple[str, bytes]] = []
+        for it in interactions:
+            if it.parent_id is None:
+                parent: bytes | None = b""
+            else:
+                parent = self._seqs.get(it.parent_id)
+            if parent is None:
+                continue  # computed from SQL on first use
+            packed = parent + pack_i32(it.prompt_ids) + pack_i32(it.output_ids)
+            self._seqs.put(it.id, packed)
+            sequences.append((it.id, packed))
+        if self._redis is not None:
+            await self._redis.publish_turns([(it.session_id, it.chain_hash, it.id) for it in interactions], sequences)
 
     async def get_interaction(self, *, interaction_id: str) -> Interaction:
         """One turn. NotFound if unknown."""
-        raise NotImplementedError
+        i = schema.interactions
+        async with self._read() as conn:
+            row = (await conn.execute(sa.select(i).where(i.c.id == interaction_id))).mappings().first()
+        if row is None:
+            raise NotFound(f"unknown interaction {interaction_id}")
+        return interaction_from_row(row)
 
     async def session_interactions(self, *, session_id: str) -> list[Interaction]:
         """Every turn of a session (the whole tree), parents before children, oldest first. NotFound if
         the session is unknown."""
-        raise NotImplementedError
+        i = schema.interactions
+        async with self._read() as conn:
+            rows = (await conn.execute(sa.select(i).where(i.c.session_id == session_id))).mappings().all()
+            if not rows:
+                exists = (await conn.execute(sa.select(schema.sessions.c.id).where(schema.sessions.c.id == session_id))).first()
+                if exists is None:
+                    raise NotFound(f"unknown session {session_id}")
+        return parents_first([interaction_from_row(row) for row in rows])
 
     async def session_tree_json(
         self, *, session_id: str, decode: Callable[[list[int]], str] | None = None
@@ -265,7 +530,8 @@ class Store:
         "root_reason", "bridge_len", "prompt_tokens", "output_tokens", "versions": [min, max] | None,
         "timings", "children": [node...]}``; with ``decode``, nodes also carry ``prompt_text`` and
         ``output_text``. Token arrays themselves are summarised by length."""
-        raise NotImplementedError
+        session = await self.get_session(session_id=session_id)
+        return tree_json(session, await self.session_interactions(session_id=session_id), decode)
 
     # ---- rewards ----
     async def set_reward(
@@ -281,15 +547,105 @@ class Store:
         The value replaces any earlier one on that target; every call adds an audit row. InvalidValue for
         a non-finite value or both/neither target; NotFound for unknown ids; Conflict when the session is
         consumed."""
-        raise NotImplementedError
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise InvalidValue(f"reward must be a finite number, got {reward!r}")
+        if (interaction_id is None) == (session_id is None):
+            raise InvalidValue("give exactly one of interaction_id and session_id")
+        s, i = schema.sessions, schema.interactions
+        now = time.time()
+        updated: SessionRecord | None = None
+        key_hash = ""
+        async with self._write_tx() as conn:
+            if interaction_id is not None:
+                found = (await conn.execute(sa.select(i.c.session_id).where(i.c.id == interaction_id))).first()
+                if found is None:
+                    raise NotFound(f"unknown interaction {interaction_id}")
+                target_session = found.session_id
+            else:
+                target_session = session_id  # type: ignore[assignment]
+            query = sa.select(s).where(s.c.id == target_session)
+            if not self._is_sqlite:
+                query = query.with_for_update()
+            row = (await conn.execute(query)).mappings().first()
+            if row is None:
+                raise NotFound(f"unknown session {target_session}")
+            if row["status"] == "consumed":
+                raise Conflict(f"session {target_session} was already consumed by training; its rewards are final")
+            if interaction_id is not None:
+                await conn.execute(sa.update(i).where(i.c.id == interaction_id).values(reward=float(reward)))
+            else:
+                values = {"reward": float(reward), "version": row["version"] + 1}
+                await conn.execute(sa.update(s).where(s.c.id == target_session).values(**values))
+                updated = session_from_row({**row, **values})
+                key_hash = row["key_hash"]
+            result = await conn.execute(
+                sa.insert(schema.reward_events).values(
+                    session_id=target_session,
+                    interaction_id=interaction_id,
+                    reward=float(reward),
+                    source=source,
+                    created_at=now,
+                )
+            )
+            event_id = result.inserted_primary_key[0]
+        if updated is not None and self._redis is not None:
+            await self._redis.put_session(key_hash, updated)
+        return RewardRecord(
+            id=event_id,
+            session_id=target_session,
+            interaction_id=interaction_id,
+            reward=float(reward),
+            source=source,
+            created_at=now,
+        )
 
     async def reward_history(
         self, *, session_id: str | None = None, interaction_id: str | None = None
     ) -> list[RewardRecord]:
         """The audit rows for a session (all its targets) or one turn, oldest first."""
-        raise NotImplementedError
+        r = schema.reward_events
+        query = sa.select(r).order_by(r.c.id)
+        if session_id is not None:
+            query = query.where(r.c.session_id == session_id)
+        if interaction_id is not None:
+            query = query.where(r.c.interaction_id == interaction_id)
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [reward_from_row(row) for row in rows]
 
     # ---- counters ----
     async def root_counts(self, *, since: float | None = None) -> dict[str, int]:
-        """How many root turns were recorded, by ``root_reason`` (optionally since a unix time)."""
-        raise NotImplementedError
+        """How many root turns were recorded, by ``root_reason`` (optionally since a unix time).
+        Roots recorded without a reason count under ``"unspecified"``."""
+        i = schema.interactions
+        query = sa.select(i.c.root_reason, sa.func.count()).where(i.c.parent_id.is_(None)).group_by(i.c.root_reason)
+        if since is not None:
+            query = query.where(i.c.created_at >= since)
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).all()
+        return {(reason or "unspecified"): count for reason, count in rows}
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL makes this safe
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.close()
+
+
+def _sqlite_pragmas_autobegin_off(dbapi_connection: Any, record: Any) -> None:
+    _sqlite_pragmas(dbapi_connection, record)
+    dbapi_connection.isolation_level = None  # we emit BEGIN IMMEDIATE ourselves
+
+
+def _sqlite_begin_immediate(conn: Any) -> None:
+    # take the write lock up front: a deferred transaction that reads, then writes, can fail with
+    # SQLITE_BUSY under WAL when another process wrote in between
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+async def _dispose(*engines: AsyncEngine) -> None:
+    for engine in {id(e): e for e in engines}.values():
+        await engine.dispose()

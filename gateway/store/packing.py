@@ -1,0 +1,44 @@
+"""Token arrays as compact bytes: int32 / float32 little-endian, never JSON lists of numbers."""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+_SWAP = sys.byteorder != "little"
+assert array("i").itemsize == 4 and array("f").itemsize == 4, "int32/float32 array codes expected"
+
+
+def pack_i32(values: Sequence[int]) -> bytes:
+    arr = array("i", values)
+    if _SWAP:  # pragma: no cover - big-endian hosts only
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_i32(data: bytes | None) -> list[int]:
+    if not data:
+        return []
+    arr = array("i")
+    arr.frombytes(data)
+    if _SWAP:  # pragma: no cover
+        arr.byteswap()
+    return arr.tolist()
+
+
+def pack_f32(values: Sequence[float]) -> bytes:
+    arr = array("f", values)
+    if _SWAP:  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_f32(data: bytes | None) -> list[float]:
+    if not data:
+        return []
+    arr = array("f")
+    arr.frombytes(data)
+    if _SWAP:  # pragma: no cover
+        arr.byteswap()
+    return arr.tolist()

@@ -1,0 +1,175 @@
+"""Hot state shared by gateway replicas through Redis; all of it can be rebuilt from SQL.
+
+Keys (under the store's prefix, default ``agentrl:``):
+
+- ``skey:<sha256(api key)>``: hash ``{v: version, d: session JSON}``, the session-by-key cache. Writes
+  are guarded by the session's ``version`` (a Lua script keeps the newer copy), so a slow reader that
+  fills the cache from an old SQL row cannot overwrite a newer status written by another replica.
+- ``chain:<session id>``: hash ``chain_hash -> interaction id``, the parent index. Written after each
+  commit and before the caller's response goes out; a later turn with the same hash overwrites (most
+  recent wins). A miss falls back to SQL, which also refills the hash.
+- ``seq:<interaction id>``: the turn's full token sequence, packed int32 (immutable, so never stale).
+
+Reads that fail (Redis down) fall back to SQL and are counted; writes that fail after a commit try to
+drop the affected key so that nothing stale is served, and are counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterable, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.store.errors import StoreUnavailable
+from gateway.store.records import SessionRecord
+
+log = logging.getLogger(__name__)
+
+SESSION_TTL_S = 24 * 3600
+CHAIN_TTL_S = 24 * 3600
+SEQ_TTL_S = 3600
+
+# KEYS[1]=skey; ARGV = version, json, ttl. Keep the copy with the highest version.
+_PUT_IF_NEWER = """
+local cur = redis.call('HGET', KEYS[1], 'v')
+if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'd', ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+def _session_json(record: SessionRecord) -> str:
+    data = dataclasses.asdict(record)
+    data["api_key"] = None
+    return json.dumps(data, separators=(",", ":"))
+
+
+class RedisState:
+    """Redis-backed caches of the store. ``errors`` counts failed Redis calls (served from SQL)."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.errors = 0
+        self._put_if_newer = client.register_script(_PUT_IF_NEWER)
+
+    @classmethod
+    async def connect(cls, url: str, prefix: str) -> RedisState:
+        client = aioredis.Redis.from_url(url, decode_responses=False)
+        try:
+            await client.ping()
+        except RedisError as exc:
+            await client.aclose()
+            raise StoreUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
+        return cls(client, prefix)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.errors += 1
+        log.warning("redis %s failed (falling back to SQL): %s", what, exc)
+
+    # ---- sessions ----
+    async def get_session(self, key_hash: str) -> SessionRecord | None:
+        try:
+            raw = await self.client.hget(f"{self.prefix}skey:{key_hash}", "d")
+        except RedisError as exc:
+            self._failed("session read", exc)
+            return None
+        if raw is None:
+            return None
+        return SessionRecord(**json.loads(raw))
+
+    async def put_session(self, key_hash: str, record: SessionRecord) -> None:
+        key = f"{self.prefix}skey:{key_hash}"
+        try:
+            await self._put_if_newer(keys=[key], args=[record.version, _session_json(record), SESSION_TTL_S])
+        except RedisError as exc:
+            self._failed("session write", exc)
+            await self._drop(key)
+
+    # ---- chain-hash index ----
+    async def chain_lookup(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
+        if not hashes:
+            return []
+        try:
+            values = await self.client.hmget(f"{self.prefix}chain:{session_id}", list(hashes))
+        except RedisError as exc:
+            self._failed("chain read", exc)
+            return [None] * len(hashes)
+        return [v.decode() if v is not None else None for v in values]
+
+    async def chain_add(self, entries: Iterable[tuple[str, str, str]], *, only_missing: bool = False) -> None:
+        """Index ``(session_id, chain_hash, interaction_id)`` entries. ``only_missing`` (used when
+        refilling from SQL) never overwrites an entry a concurrent commit may just have written."""
+        by_session: dict[str, dict[str, str]] = {}
+        for session_id, chain_hash, interaction_id in entries:
+            by_session.setdefault(session_id, {})[chain_hash] = interaction_id
+        if not by_session:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for session_id, mapping in by_session.items():
+                key = f"{self.prefix}chain:{session_id}"
+                if only_missing:
+                    for field, value in mapping.items():
+                        pipe.hsetnx(key, field, value)
+                else:
+                    pipe.hset(key, mapping=mapping)
+                pipe.expire(key, CHAIN_TTL_S)
+            await pipe.execute()
+        except RedisError as exc:
+            self._failed("chain write", exc)
+            for session_id in by_session:
+                await self._drop(f"{self.prefix}chain:{session_id}")
+
+    async def publish_turns(
+        self, chain_entries: Sequence[tuple[str, str, str]], sequences: Sequence[tuple[str, bytes]]
+    ) -> None:
+        """After a commit, in one round trip: index the new turns' chain hashes (overwriting: the most
+        recent turn wins) and cache their full sequences."""
+        by_session: dict[str, dict[str, str]] = {}
+        for session_id, chain_hash, interaction_id in chain_entries:
+            by_session.setdefault(session_id, {})[chain_hash] = interaction_id
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for session_id, mapping in by_session.items():
+                key = f"{self.prefix}chain:{session_id}"
+                pipe.hset(key, mapping=mapping)
+                pipe.expire(key, CHAIN_TTL_S)
+            for interaction_id, packed in sequences:
+                pipe.set(f"{self.prefix}seq:{interaction_id}", packed, ex=SEQ_TTL_S)
+            await pipe.execute()
+        except RedisError as exc:
+            self._failed("turn publish", exc)
+            for session_id in by_session:
+                await self._drop(f"{self.prefix}chain:{session_id}")
+
+    # ---- full sequences ----
+    async def seq_get(self, interaction_id: str) -> bytes | None:
+        try:
+            return await self.client.get(f"{self.prefix}seq:{interaction_id}")
+        except RedisError as exc:
+            self._failed("sequence read", exc)
+            return None
+
+    async def seq_put(self, items: Iterable[tuple[str, bytes]]) -> None:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for interaction_id, packed in items:
+                pipe.set(f"{self.prefix}seq:{interaction_id}", packed, ex=SEQ_TTL_S)
+            await pipe.execute()
+        except RedisError as exc:  # sequences are immutable: a missing copy is only a cache miss
+            self._failed("sequence write", exc)
+
+    async def _drop(self, key: str) -> None:
+        try:
+            await self.client.delete(key)
+        except RedisError as exc:
+            log.error("redis: could not drop %s after a failed write; it may be stale until it expires: %s", key, exc)

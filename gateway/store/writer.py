@@ -1,0 +1,218 @@
+"""Group commit: one background task writes the turns of many concurrent callers in one transaction.
+
+Callers put a job (their rows) on a queue and await its future. The writer takes everything pending (up
+to ``max_batch_rows``), checks it against the database inside one transaction (session still active,
+parents known and in the same session, ids new), inserts the rows that pass, moves the sessions'
+``last_activity_at``, commits, runs the after-commit hook (caches, Redis index) and only then resolves
+the futures. There is no timer on the fast path: while one transaction commits, the next batch gathers,
+so batches grow with load and an idle store answers at once (``delay_s`` adds a wait if wanted).
+
+A job is all-or-nothing. Jobs that fail the checks fail alone; if the batch transaction itself fails for
+a data reason (a race the checks could not see), it is rolled back and retried job by job, so exactly the
+offending callers get the error and no partial rows remain. If the database is unreachable, every job of
+the batch fails with StoreUnavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from gateway.store import schema
+from gateway.store.dberrors import db_errors
+from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreError, StoreUnavailable
+from gateway.store.records import CommitStats, Interaction
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Job:
+    interactions: Sequence[Interaction]
+    rows: list[dict[str, Any]]
+    future: asyncio.Future[None]
+
+
+class GroupCommitWriter:
+    """Batches ``submit`` calls into shared transactions (see the module docstring)."""
+
+    def __init__(
+        self,
+        transaction: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
+        *,
+        lock_rows: bool,
+        max_batch_rows: int,
+        delay_s: float,
+        after_commit: Callable[[list[Interaction]], Awaitable[None]],
+    ) -> None:
+        self._transaction = transaction
+        self._lock_rows = lock_rows
+        self._max_rows = max(1, max_batch_rows)
+        self._delay_s = delay_s
+        self._after_commit = after_commit
+        self._queue: list[_Job] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self.stats = CommitStats()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="store-group-commit")
+
+    async def submit(self, interactions: Sequence[Interaction], rows: list[dict[str, Any]]) -> None:
+        """Queue one job; return when it is committed (or raise its StoreError)."""
+        if self._closing:
+            raise StoreUnavailable("the store is closed")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Job(interactions, rows, future))
+        self._wake.set()
+        # shield: a caller that goes away (client disconnect) does not cancel a write already queued
+        await asyncio.shield(future)
+
+    async def close(self) -> None:
+        """Write what is queued, then stop."""
+        self._closing = True
+        self._wake.set()
+        await self._task
+
+    def _take_batch(self) -> list[_Job]:
+        batch: list[_Job] = []
+        rows = 0
+        while self._queue and (not batch or rows + len(self._queue[0].rows) <= self._max_rows):
+            job = self._queue.pop(0)
+            batch.append(job)
+            rows += len(job.rows)
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            if not self._queue:
+                self._wake.clear()
+                if self._closing:
+                    return
+                continue
+            if self._delay_s > 0 and len(self._queue) < self._max_rows:
+                await asyncio.sleep(self._delay_s)
+            batch = self._take_batch()
+            if not self._queue:
+                self._wake.clear()
+            try:
+                await self._commit(batch)
+            except BaseException as exc:  # the writer must outlive any one batch; its callers get the error
+                log.exception("group commit: unexpected failure of a batch of %d jobs", len(batch))
+                for job in batch:
+                    _fail(job, exc if isinstance(exc, Exception) else StoreUnavailable("writer cancelled"))
+                if not isinstance(exc, Exception):
+                    raise
+
+    async def _commit(self, batch: list[_Job]) -> None:
+        try:
+            committed = await self._write(batch)
+        except (Conflict, InvalidValue, NotFound) as exc:
+            if len(batch) == 1:
+                self.stats.transactions += 1
+                _fail(batch[0], exc)
+                self.stats.failed_calls += 1
+                return
+            self.stats.retried_batches += 1
+            log.warning("group commit: batch of %d jobs failed (%s); retrying one by one", len(batch), exc)
+            committed = []
+            for job in batch:
+                try:
+                    committed += await self._write([job])
+                except StoreError as job_exc:
+                    _fail(job, job_exc)
+                    self.stats.failed_calls += 1
+        except StoreError as exc:
+            self.stats.transactions += 1
+            for job in batch:
+                _fail(job, exc)
+            self.stats.failed_calls += len(batch)
+            return
+        if committed:
+            try:
+                await self._after_commit([it for job in committed for it in job.interactions])
+            except Exception:  # caches only; the rows are durable, so the callers still succeed
+                log.exception("group commit: after-commit hook failed")
+        for job in committed:
+            if not job.future.done():
+                job.future.set_result(None)
+        self.stats.calls += len(committed)
+        self.stats.rows += sum(len(job.rows) for job in committed)
+        self.stats.max_batch_calls = max(self.stats.max_batch_calls, len(committed))
+
+    async def _write(self, batch: list[_Job]) -> list[_Job]:
+        """One transaction for ``batch``. Jobs failing the checks are failed here and left out; returns
+        the committed jobs. Raises StoreError when the transaction as a whole fails."""
+        self.stats.transactions += 1
+        async with db_errors(), self._transaction() as conn:
+            ok = await self._check(conn, batch)
+            if ok:
+                await conn.execute(sa.insert(schema.interactions), [row for job in ok for row in job.rows])
+                session_ids = sorted({it.session_id for job in ok for it in job.interactions})
+                await conn.execute(
+                    sa.update(schema.sessions)
+                    .where(schema.sessions.c.id.in_(session_ids))
+                    .values(last_activity_at=time.time())
+                )
+        return ok
+
+    async def _check(self, conn: AsyncConnection, batch: list[_Job]) -> list[_Job]:
+        s = schema.sessions
+        i = schema.interactions
+        session_ids = sorted({it.session_id for job in batch for it in job.interactions})
+        query = sa.select(s.c.id, s.c.status).where(s.c.id.in_(session_ids)).order_by(s.c.id)
+        if self._lock_rows:  # PostgreSQL: serialise with finish/status changes; sorted, so no deadlocks
+            query = query.with_for_update()
+        status = {row.id: row.status for row in await conn.execute(query)}
+
+        own_ids = [it.id for job in batch for it in job.interactions]
+        parent_ids = {it.parent_id for job in batch for it in job.interactions if it.parent_id}
+        known = {
+            row.id: row.session_id
+            for row in await conn.execute(sa.select(i.c.id, i.c.session_id).where(i.c.id.in_(set(own_ids) | parent_ids)))
+        }
+
+        ok: list[_Job] = []
+        for job in batch:
+            error = _job_error(job, status, known)
+            if error is not None:
+                _fail(job, error)
+                self.stats.failed_calls += 1
+                continue
+            ok.append(job)
+            for it in job.interactions:  # later jobs of this batch may use these as parents
+                known[it.id] = it.session_id
+        return ok
+
+
+def _job_error(job: _Job, status: dict[str, str], known: dict[str, str]) -> StoreError | None:
+    seen: dict[str, str] = {}
+    for it in job.interactions:
+        state = status.get(it.session_id)
+        if state is None:
+            return NotFound(f"unknown session {it.session_id}")
+        if state != "active":
+            return Conflict(f"session {it.session_id} is {state}; it takes no more turns")
+        if it.id in known or it.id in seen:
+            return Conflict(f"interaction {it.id} already exists")
+        if it.parent_id is not None:
+            parent_session = seen.get(it.parent_id) or known.get(it.parent_id)
+            if parent_session is None:
+                return NotFound(f"unknown parent interaction {it.parent_id}")
+            if parent_session != it.session_id:
+                return Conflict(f"parent {it.parent_id} belongs to another session than {it.session_id}")
+        seen[it.id] = it.session_id
+    return None
+
+
+def _fail(job: _Job, exc: BaseException) -> None:
+    if not job.future.done():
+        job.future.set_exception(exc)
+        job.future.exception()  # mark retrieved: a caller that went away must not trigger a warning
