@@ -1,0 +1,99 @@
+"""RewardPool: timeouts, crashes (BrokenProcessPool) and errors are retried, counted, and end in 0.0."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from agents.rewards import RewardPool, math_reward
+
+# Reward functions run in spawned worker processes, so they live at module level (imported by name).
+
+
+def sleeps_forever(completion: str, reference: str) -> float:
+    time.sleep(60)
+    return 1.0
+
+
+def dies(completion: str, reference: str) -> float:
+    os._exit(3)
+
+
+def dies_once(marker: str, reference: str) -> float:
+    """Crash the worker the first time (the marker file does not exist yet), answer 1.0 after."""
+    path = Path(marker)
+    if not path.exists():
+        path.write_text("crashed")
+        os._exit(3)
+    return 1.0
+
+
+def raises_once(marker: str, reference: str) -> float:
+    path = Path(marker)
+    if not path.exists():
+        path.write_text("raised")
+        raise RuntimeError("flaky reward")
+    return 0.5
+
+
+def returns_nan(completion: str, reference: str) -> float:
+    return float("nan")
+
+
+@pytest.fixture
+def pool():
+    pool = RewardPool(workers=1, timeout_s=2.0, retries=1)
+    yield pool
+    pool.close()
+
+
+async def test_scores_in_a_worker(pool):
+    assert await pool.score(math_reward, "#### 18", "18") == 1.0
+    assert await pool.score(math_reward, "#### 17", "18") == 0.0
+    assert pool.stats.calls == 2 and pool.stats.undecided == 0
+
+
+async def test_timeout_gives_zero_and_the_pool_recovers():
+    with RewardPool(workers=1, timeout_s=0.5, retries=0) as pool:
+        started = time.monotonic()
+        assert await pool.score(sleeps_forever, "x", "y") == 0.0
+        assert time.monotonic() - started < 10
+        assert pool.stats.timeouts == 1 and pool.stats.undecided == 1
+        # the hung worker was killed; a fresh pool answers the next call
+        assert await pool.score(math_reward, "\\boxed{3/4}", "0.75") == 1.0
+
+
+async def test_timeouts_are_retried():
+    with RewardPool(workers=1, timeout_s=0.3, retries=1) as pool:
+        assert await pool.score(sleeps_forever, "x", "y") == 0.0
+        assert pool.stats.timeouts == 2 and pool.stats.retries == 1 and pool.stats.undecided == 1
+
+
+async def test_crash_recovers_and_retry_succeeds(pool, tmp_path):
+    marker = str(tmp_path / "crashed")
+    assert await pool.score(dies_once, marker, "ref") == 1.0
+    assert pool.stats.crashes == 1 and pool.stats.retries == 1 and pool.stats.undecided == 0
+
+
+async def test_crash_every_time_gives_zero_then_recovers(pool):
+    assert await pool.score(dies, "x", "y") == 0.0
+    assert pool.stats.crashes == 2 and pool.stats.undecided == 1
+    assert await pool.score(math_reward, "#### 5", "5") == 1.0
+
+
+async def test_exception_is_retried(pool, tmp_path):
+    assert await pool.score(raises_once, str(tmp_path / "raised"), "ref") == 0.5
+    assert pool.stats.errors == 1 and pool.stats.retries == 1
+
+
+async def test_non_number_counts_as_error(pool):
+    assert await pool.score(returns_nan, "x", "y") == 0.0
+    assert pool.stats.errors == 2 and pool.stats.undecided == 1
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool(timeout_s=0)
+    with pytest.raises(ValueError, match="workers"):
+        RewardPool(workers=0)
