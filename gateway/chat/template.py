@@ -214,19 +214,28 @@ class ChatTemplate:
         ended = bool(parent_output_ids) and parent_output_ids[-1] in self.end_of_turn_ids
         return Continuation(bridge_ids=[] if ended else [end_of_turn], delta_ids=delta)
 
-    def drift(self, parent_full_ids: Sequence[int], history_messages: Sequence[Mapping[str, Any]], tools: Tools) -> bool:
-        """True if re-rendering ``history_messages`` would not give the stitched tokens.
+    def drift(
+        self,
+        parent_full_ids: Sequence[int],
+        history_messages: Sequence[Mapping[str, Any]],
+        tools: Tools,
+        new_messages: Sequence[Mapping[str, Any]] | None = None,
+    ) -> bool:
+        """True if the template's re-render of ``history_messages`` differs from the stitched tokens.
 
-        ``parent_full_ids`` is the parent's full sequence (all ancestors' prompts and outputs); the
-        stitched tokens through its turn are those plus the bridge. A stable template and a model whose
-        output tokenizes canonically give no drift; a template that rewrites history (strips reasoning)
-        or a non-canonical tokenization of the model's output does.
+        ``parent_full_ids`` is the parent's full sequence (all ancestors' prompts and outputs) and
+        ``history_messages`` ends with its assistant message. The history is rendered as the history of
+        a later turn (followed by ``new_messages``, default a stand-in user message), because templates
+        that rewrite history (strip earlier reasoning) only do so once a turn is no longer the last.
+        Drift = that rendering does not start with ``parent_full_ids`` (+ the bridge token when the
+        parent's output has no end-of-turn). Causes: such a template, or a model output that does not
+        tokenize canonically. The stitched prompt is right either way; the server counts this.
         """
-        rendered = self._ids(history_messages, tools, False)
-        k = self._turn_end(rendered)
-        if k < 0 or not parent_full_ids:
+        if not parent_full_ids:
             return True
+        following = list(new_messages) if new_messages else [{"role": "user", "content": "."}]
+        rendered = self._ids([*history_messages, *following], tools, False)
         stitched = list(parent_full_ids)
         if stitched[-1] not in self.end_of_turn_ids:
-            stitched.append(rendered[k])
-        return rendered[: k + 1] != stitched
+            stitched.append(self.end_of_turn_ids[0])
+        return rendered[: len(stitched)] != stitched
