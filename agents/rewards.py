@@ -231,9 +231,13 @@ class RewardPool:
                 self._discard(pool, kill=True)
                 continue
             except BrokenProcessPool:
-                self.stats.crashes += 1
-                log.warning("reward worker died running %s (attempt %d); recreating the pool", _name(fn), attempt + 1)
-                self._discard(pool, kill=False)
+                # Every call in flight in a broken pool lands here; count and log the crash once per pool.
+                # (A pool killed after a timeout is already discarded, so that is not counted as a crash.)
+                if self._pool is pool:
+                    self.stats.crashes += 1
+                    log.warning("a reward worker died (running %s or a call beside it); recreating the pool",
+                                _name(fn))
+                    self._discard(pool, kill=False)
                 continue
             except Exception as exc:  # the reward function's own bug: counted, retried, never fatal
                 self.stats.errors += 1

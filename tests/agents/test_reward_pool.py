@@ -97,3 +97,13 @@ def test_rejects_bad_settings():
         RewardPool(timeout_s=0)
     with pytest.raises(ValueError, match="workers"):
         RewardPool(workers=0)
+
+
+async def test_crash_beside_other_calls_is_counted_once_and_they_still_score(tmp_path):
+    import asyncio
+
+    with RewardPool(workers=2, timeout_s=5.0, retries=1) as pool:
+        results = await asyncio.gather(pool.score(dies_once, str(tmp_path / "m"), "ref"),
+                                       *(pool.score(math_reward, f"#### {i}", str(i)) for i in range(10)))
+    assert results == [1.0] * 11
+    assert pool.stats.crashes == 1 and pool.stats.undecided == 0
