@@ -21,6 +21,8 @@ def translate(exc: BaseException) -> StoreError | None:
         return StoreUnavailable(f"database unavailable: {exc}")
     if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
         return StoreUnavailable(f"database connection lost: {exc}")
+    if isinstance(exc, sa_exc.StatementError) and isinstance(exc.orig, (TypeError, ValueError)):
+        return InvalidValue(f"a value could not be stored: {exc.orig}")  # e.g. JSON that cannot serialise
     if isinstance(exc, (OSError, asyncio.TimeoutError)):
         return StoreUnavailable(f"database unreachable: {exc}")
     return None

@@ -1,0 +1,69 @@
+"""Sessions: creation, lookup by key (cached with Redis), status changes, listing."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.store import Conflict, InvalidValue, NotFound, Store
+
+
+async def test_create_and_lookup(store: Store) -> None:
+    created = await store.create_session(group_id="g1", task_id="t1", metadata={"eval": True, "k": [1, 2]})
+    assert created.api_key and created.api_key.startswith("sk-agentrl-")
+    assert created.status == "active" and created.is_eval and created.group_id == "g1"
+
+    by_id = await store.get_session(session_id=created.id)
+    assert by_id.api_key is None  # the key is returned once, stored hashed
+    assert (by_id.id, by_id.task_id, by_id.metadata) == (created.id, "t1", {"eval": True, "k": [1, 2]})
+    for _ in range(2):  # second call is served from the cache when Redis is on
+        by_key = await store.get_session_by_key(api_key=created.api_key)
+        assert by_key.id == created.id and by_key.status == "active" and by_key.api_key is None
+
+    with pytest.raises(NotFound):
+        await store.get_session_by_key(api_key="sk-agentrl-not-a-key")
+    with pytest.raises(NotFound):
+        await store.get_session(session_id="sess-missing")
+
+
+async def test_defaults_and_duplicate_id(store: Store) -> None:
+    s = await store.create_session(session_id="implicit-1")
+    assert s.group_id == "implicit-1" and not s.is_eval and s.metadata == {}
+    with pytest.raises(Conflict):
+        await store.create_session(session_id="implicit-1")
+    other = await store.create_session()
+    assert other.api_key != s.api_key and other.id != s.id
+
+
+async def test_finish_is_idempotent_and_seen_by_key(store: Store) -> None:
+    s = await store.create_session()
+    assert s.api_key is not None
+    await store.get_session_by_key(api_key=s.api_key)  # warm the cache
+    done = await store.finish_session(session_id=s.id)
+    assert done.status == "finished" and done.finished_at is not None and done.version == 1
+    again = await store.finish_session(session_id=s.id)
+    assert (again.status, again.finished_at, again.version) == ("finished", done.finished_at, 1)
+    assert (await store.get_session_by_key(api_key=s.api_key)).status == "finished"
+
+    consumed = await store.set_session_status(session_id=s.id, status="consumed", expected={"finished"})
+    assert consumed.status == "consumed" and consumed.finished_at == done.finished_at
+    assert (await store.finish_session(session_id=s.id)).status == "consumed"  # no step back
+    with pytest.raises(Conflict):
+        await store.set_session_status(session_id=s.id, status="abandoned", expected={"active"})
+    with pytest.raises(InvalidValue):
+        await store.set_session_status(session_id=s.id, status="paused")  # type: ignore[arg-type]
+    with pytest.raises(NotFound):
+        await store.finish_session(session_id="nope")
+
+
+async def test_list_and_touch(store: Store) -> None:
+    a = await store.create_session(group_id="g")
+    b = await store.create_session(group_id="g")
+    c = await store.create_session(group_id="h")
+    await store.finish_session(session_id=b.id)
+    assert [s.id for s in await store.list_sessions(group_id="g")] == [a.id, b.id]
+    assert [s.id for s in await store.list_sessions(status="active")] == [a.id, c.id]
+    assert [s.id for s in await store.list_sessions(status=["finished", "consumed"])] == [b.id]
+    await store.touch_session(session_id=a.id, at=a.created_at + 100)
+    assert (await store.get_session(session_id=a.id)).last_activity_at == a.created_at + 100
+    with pytest.raises(NotFound):
+        await store.touch_session(session_id="nope")
