@@ -1,0 +1,198 @@
+"""Staleness control: how far data generation may run ahead of the trainer.
+
+The trainer tells the gateway (``POST /admin/trainer``) its weight version ``v``, its batch size ``B`` (in
+groups) and its staleness bound ``k``. With ``G`` sessions per group, the gateway admits a new session only
+while
+
+    admitted < (k + (v - v0) + 1) * B * G
+
+where ``admitted`` counts, since the trainer registered at version ``v0``, every non-eval session that was
+running or waiting to be trained at registration plus every non-eval session admitted since (explicit
+``POST /v1/sessions`` and implicit-mode episodes alike), minus the sessions that will never be trained
+(abandoned at a group timeout, exported with no rows, or dropped as stale). Sessions count as *accepted*
+once finished (waiting in a group, queued, leased or trained) and as *running* while active; both are in
+``admitted``. With ``v0 = 0`` this is exactly ``accepted + running < (k + v + 1) * B`` with ``B`` measured
+in sessions (groups x group size). A session over the budget is refused with 429 and ``Retry-After``.
+
+Leasing enforces the other half: a group whose oldest generated token has a version below ``v - k`` is
+not leased; it is held back (counted) and dropped after a configured age (see ``gateway.queue``).
+
+Eval sessions (``metadata.eval``) never count. Before any trainer registers there is no limit.
+
+State lives in one SQL row (table ``trainer_state`` of migration ``0002_trajectories``), and admission is
+one conditional ``UPDATE``, so several gateway processes sharing a database share one budget exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway import errors
+from gateway.queue import metadata
+
+trainer_table = sa.Table(
+    "trainer_state",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("batch_size", sa.Integer, nullable=False),
+    sa.Column("staleness_bound", sa.Integer, nullable=False),
+    sa.Column("group_size", sa.Integer, nullable=False),
+    sa.Column("base_version", sa.Integer, nullable=False),
+    sa.Column("admitted", sa.Integer, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+_ROW = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerState:
+    version: int
+    batch_size: int  # groups per training step
+    staleness_bound: int
+    group_size: int  # sessions per group
+    base_version: int  # the version at registration
+    admitted: int  # sessions counted against the budget
+
+    @property
+    def limit(self) -> int:
+        """Sessions that may have been admitted at this version."""
+        steps = self.staleness_bound + (self.version - self.base_version) + 1
+        return steps * self.batch_size * self.group_size
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version a leased row may carry."""
+        return self.version - self.staleness_bound
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "version": self.version, "batch_size": self.batch_size, "staleness_bound": self.staleness_bound,
+            "group_size": self.group_size, "base_version": self.base_version, "admitted": self.admitted,
+            "limit": self.limit, "min_version": self.min_version,
+        }
+
+
+def _state(row: sa.Row | None) -> TrainerState | None:
+    if row is None:
+        return None
+    return TrainerState(version=row.version, batch_size=row.batch_size, staleness_bound=row.staleness_bound,
+                        group_size=row.group_size, base_version=row.base_version, admitted=row.admitted)
+
+
+def _unavailable(exc: SQLAlchemyError) -> errors.StoreUnavailable:
+    return errors.StoreUnavailable(f"staleness state unavailable: {exc}")
+
+
+class StalenessControl:
+    def __init__(self, engine: AsyncEngine, *, default_group_size: int, retry_after_s: float) -> None:
+        self.engine = engine
+        self.default_group_size = default_group_size
+        self.retry_after_s = retry_after_s
+
+    async def state(self) -> TrainerState | None:
+        """The registered trainer's state, or None before any trainer registered."""
+        try:
+            async with self.engine.connect() as conn:
+                row = (await conn.execute(sa.select(trainer_table).where(trainer_table.c.id == _ROW))).first()
+        except SQLAlchemyError as exc:
+            raise _unavailable(exc) from exc
+        return _state(row)
+
+    async def configure(
+        self,
+        *,
+        version: int,
+        batch_size: int,
+        staleness_bound: int,
+        group_size: int | None = None,
+        pending_sessions: int = 0,
+    ) -> TrainerState:
+        """Register the trainer or move its version forward.
+
+        Same batch size, bound and group size with a version not lower than the stored one: only the
+        version changes (the normal call after every weight push). Anything else is a new registration:
+        the budget restarts at this version, counting ``pending_sessions`` (running or not yet trained)."""
+        if version < 0 or batch_size < 1 or staleness_bound < 0:
+            raise errors.InvalidRequest(
+                "trainer state needs version >= 0, batch_size >= 1 and staleness_bound >= 0 "
+                f"(got {version}, {batch_size}, {staleness_bound})")
+        size = group_size or self.default_group_size
+        if size < 1:
+            raise errors.InvalidRequest(f"group_size must be >= 1, got {size}")
+        t = trainer_table
+        now = time.time()
+        try:
+            async with self.engine.begin() as conn:
+                old = _state((await conn.execute(sa.select(t).where(t.c.id == _ROW))).first())
+                same = old is not None and (old.batch_size, old.staleness_bound, old.group_size) == (
+                    batch_size, staleness_bound, size) and version >= old.version
+                if same:
+                    await conn.execute(t.update().where(t.c.id == _ROW).values(version=version, updated_at=now))
+                else:
+                    values = dict(version=version, batch_size=batch_size, staleness_bound=staleness_bound,
+                                  group_size=size, base_version=version, admitted=pending_sessions, updated_at=now)
+                    if old is None:
+                        await conn.execute(t.insert().values(id=_ROW, **values))
+                    else:
+                        await conn.execute(t.update().where(t.c.id == _ROW).values(**values))
+                state = _state((await conn.execute(sa.select(t).where(t.c.id == _ROW))).first())
+        except SQLAlchemyError as exc:
+            raise _unavailable(exc) from exc
+        assert state is not None
+        return state
+
+    async def set_version(self, version: int) -> None:
+        """Move the trainer's version (e.g. when a weight push sets a new version); no-op before
+        registration and for a version not above the stored one."""
+        t = trainer_table
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(t.update().where(t.c.id == _ROW, t.c.version < version)
+                                   .values(version=version, updated_at=time.time()))
+        except SQLAlchemyError as exc:
+            raise _unavailable(exc) from exc
+
+    async def admit(self, *, n: int = 1, is_eval: bool = False) -> None:
+        """Count ``n`` new sessions against the budget, or raise ``Overloaded`` (429) if they do not fit."""
+        if is_eval:
+            return
+        t = trainer_table
+        limit = (t.c.staleness_bound + t.c.version - t.c.base_version + 1) * t.c.batch_size * t.c.group_size
+        try:
+            async with self.engine.begin() as conn:
+                done = await conn.execute(
+                    t.update().where(t.c.id == _ROW, t.c.admitted + n <= limit).values(admitted=t.c.admitted + n)
+                )
+                if done.rowcount:
+                    return
+                state = _state((await conn.execute(sa.select(t).where(t.c.id == _ROW))).first())
+        except SQLAlchemyError as exc:
+            raise _unavailable(exc) from exc
+        if state is None:
+            return  # no trainer registered: nothing to stay within
+        raise errors.Overloaded(
+            f"staleness budget reached: {state.admitted} sessions admitted, limit {state.limit} = "
+            f"(staleness_bound {state.staleness_bound} + version {state.version} - {state.base_version} + 1) x "
+            f"batch {state.batch_size} groups x {state.group_size} sessions; retry after the trainer's next step",
+            retry_after_s=self.retry_after_s,
+        )
+
+    async def release(self, n: int) -> None:
+        """Give back budget of ``n`` sessions that will never be trained (abandoned, empty, dropped)."""
+        if n <= 0:
+            return
+        t = trainer_table
+        try:
+            async with self.engine.begin() as conn:
+                await conn.execute(
+                    t.update().where(t.c.id == _ROW)
+                    .values(admitted=sa.case((t.c.admitted >= n, t.c.admitted - n), else_=0))
+                )
+        except SQLAlchemyError as exc:
+            raise _unavailable(exc) from exc
