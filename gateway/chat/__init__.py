@@ -14,7 +14,9 @@ from gateway.chat.normalize import (
     extend_chain,
     normalize_message,
     parent_candidates,
+    tools_hash,
     validate_messages,
+    validate_tool_choice,
     validate_tools,
 )
 from gateway.chat.template import ChatTemplate, Continuation
@@ -43,6 +45,8 @@ __all__ = [
     "parent_candidates",
     "parse_tool_calls",
     "tool_parsing_enabled",
+    "tools_hash",
     "validate_messages",
+    "validate_tool_choice",
     "validate_tools",
 ]

@@ -121,6 +121,31 @@ def validate_tools(tools: object) -> None:
             raise ChatFormatError("parameters must be a JSON Schema object", f"{tp}.function.parameters", "invalid_type")
 
 
+def validate_tool_choice(tool_choice: object, tools: object) -> None:
+    """Check ``tool_choice``: ``"none"``, ``"auto"``, ``"required"`` or a function named in ``tools``."""
+    if tool_choice is None or tool_choice == "none":
+        return
+    if tool_choice in ("auto", "required"):
+        if tool_choice == "required" and not tools:
+            raise ChatFormatError("tool_choice 'required' needs tools", "tool_choice")
+        return
+    if isinstance(tool_choice, str):
+        raise ChatFormatError(
+            f"tool_choice must be 'none', 'auto', 'required' or a function object, got {tool_choice!r}", "tool_choice"
+        )
+    if not isinstance(tool_choice, Mapping) or tool_choice.get("type") != "function":
+        raise ChatFormatError("tool_choice object must be {'type': 'function', 'function': {'name': ...}}", "tool_choice")
+    fn = tool_choice.get("function")
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    names = {
+        t["function"].get("name")
+        for t in (tools if isinstance(tools, list) else [])
+        if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)
+    }
+    if name not in names:
+        raise ChatFormatError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice.function.name")
+
+
 def validate_messages(messages: object, tools: object = None) -> None:
     """Raise :class:`ChatFormatError` (with the JSON path in ``param``) if the request is malformed.
 
@@ -280,6 +305,14 @@ def extend_chain(previous: str, messages: Sequence[Mapping[str, Any]]) -> str:
     for msg in messages:
         previous = _link(previous, msg)
     return previous
+
+
+def tools_hash(tools: Sequence[Mapping[str, Any]] | None) -> str:
+    """A hex sha256 of the canonical JSON of ``tools`` (``""`` for none). Tools are not part of the message
+    chain; the server compares this with the parent's to refuse a parent whose prompt held other tools."""
+    if not tools:
+        return ""
+    return hashlib.sha256(canonical_json(list(tools)).encode("utf-8")).hexdigest()
 
 
 def parent_candidates(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, str]]:

@@ -94,6 +94,9 @@ class ChatTemplate:
     # ------------------------------------------------------------------------------------ rendering
 
     def _apply(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> str:
+        # HF types messages as dict[str, str]; ours hold tool calls and parts too
+        prepared: list[Any]
+        tools_arg: list[Any] | None
         if self.native_tools:
             prepared = [_native_message(m) for m in messages]
             tools_arg = [dict(t) for t in tools] if tools else None
@@ -128,7 +131,7 @@ class ChatTemplate:
             "function": {"name": _PROBE_FN, "description": "probe", "parameters": {"type": "object", "properties": {}}},
         }
         call = {"id": "call_probe", "type": "function", "function": {"name": _PROBE_CALL_FN, "arguments": {}}}
-        messages = [
+        messages: list[Any] = [
             {"role": "user", "content": "probe"},
             {"role": "assistant", "content": "", "tool_calls": [call]},
         ]

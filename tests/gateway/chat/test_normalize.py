@@ -16,7 +16,9 @@ from gateway.chat import (
     extend_chain,
     normalize_message,
     parent_candidates,
+    tools_hash,
     validate_messages,
+    validate_tool_choice,
 )
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -132,7 +134,7 @@ def test_sdk_round_trip_normalises_to_what_we_returned() -> None:
 
 
 def test_empty_defaults_dropped() -> None:
-    msg = {
+    msg: dict[str, Any] = {
         "role": "assistant",
         "content": "Hi",
         "tool_calls": [],
@@ -197,7 +199,7 @@ def test_normalize_is_pure_and_idempotent() -> None:
 
 
 def test_chain_hashes_by_hand() -> None:
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "refusal": None}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "refusal": None}]
     h0 = hashlib.sha256(b'{"content":"hi","role":"user"}').hexdigest()
     h1 = hashlib.sha256(bytes.fromhex(h0) + b'{"content":"hello","role":"assistant"}').hexdigest()
     assert chain_hashes(msgs) == [h0, h1]
@@ -239,3 +241,39 @@ def test_parent_candidates_longest_first_assistant_only() -> None:
     # the whole request is never its own parent; no assistant, no candidate
     assert parent_candidates([u, a]) == []
     assert parent_candidates([u]) == []
+
+
+# ------------------------------------------------------------------------------------ tool_choice, tools
+
+
+@pytest.mark.parametrize("choice", [None, "none", "auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_valid_tool_choice(choice: object) -> None:
+    validate_tool_choice(choice, TOOLS)
+
+
+@pytest.mark.parametrize(
+    ("choice", "tools", "param"),
+    [
+        ("sometimes", TOOLS, "tool_choice"),
+        ("required", None, "tool_choice"),
+        ({"type": "function", "function": {"name": "other"}}, TOOLS, "tool_choice.function.name"),
+        ({"type": "function"}, TOOLS, "tool_choice.function.name"),
+        ({"type": "custom"}, TOOLS, "tool_choice"),
+        (3, TOOLS, "tool_choice"),
+    ],
+)
+def test_invalid_tool_choice(choice: object, tools: Any, param: str) -> None:
+    with pytest.raises(ChatFormatError) as info:
+        validate_tool_choice(choice, tools)
+    assert info.value.param == param
+
+
+def test_tools_hash() -> None:
+    assert tools_hash(None) == tools_hash([]) == ""
+    reordered = [{"function": {"parameters": {"type": "object"}, "name": "get_weather"}, "type": "function"}]
+    assert tools_hash(TOOLS) == tools_hash(reordered)  # key order does not matter
+    expected = hashlib.sha256(
+        b'[{"function":{"name":"get_weather","parameters":{"type":"object"}},"type":"function"}]'
+    ).hexdigest()
+    assert tools_hash(TOOLS) == expected
+    assert tools_hash(TOOLS) != tools_hash([{"type": "function", "function": {"name": "other"}}])

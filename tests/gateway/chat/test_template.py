@@ -64,8 +64,8 @@ def encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
 
 
 def reference(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: Any) -> list[int]:
-    ids = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert isinstance(ids, list)
+    ids: Any = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
     return ids
 
 
@@ -124,7 +124,7 @@ def test_tokenizer_without_template_is_refused(tiny_tok: PreTrainedTokenizerBase
 
 
 def test_root_render_matches_apply_chat_template(tiny: ChatTemplate, tiny_tok: PreTrainedTokenizerBase) -> None:
-    messages = [{"role": "user", "content": "hi"}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
     assert tiny.render(messages) == [IM_START, 4093, NL, 6004, IM_END, NL, IM_START, 520, 9531, NL]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     assert tiny.render(messages, TOOLS) == reference(tiny_tok, messages, TOOLS)
