@@ -1,0 +1,187 @@
+"""The gateway's FastAPI app: ``create_app(settings)`` builds it; its lifespan builds the clients.
+
+At start-up the lifespan connects to the engines (waits for one to be healthy), asks one for its model
+(``/get_model_info``) and context length (``/get_server_info``), loads the tokenizer and chat template
+(``--tokenizer`` or the engine's model directory), opens the store (which runs the Alembic migrations)
+and starts the engine health checks. Everything is injectable for tests: an ``httpx.AsyncClient`` whose
+transport reaches the engines, an open ``Store``, a tokenizer, an admission policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.admission import AlwaysAdmit
+from gateway.binding import ImplicitIndex
+from gateway.chat.template import ChatTemplate
+from gateway.context import Services
+from gateway.engine_client import EngineClient, EngineRouter
+from gateway.errors import (
+    Conflict,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    error_body,
+    from_chat_error,
+    from_store_error,
+)
+from gateway.chat.errors import ChatFormatError
+from gateway.metrics import Metrics, MetricsMiddleware
+from gateway.routes import routers
+from gateway.settings import GatewaySettings
+from gateway.store import Store
+from gateway.store import errors as store_errors
+
+log = logging.getLogger("agentrl.gateway")
+
+
+def _render(exc: GatewayError) -> JSONResponse:
+    status, body = error_body(exc)
+    headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, Overloaded) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def gateway_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, GatewayError)
+        return _render(exc)
+
+    async def store_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, store_errors.StoreError)
+        return _render(from_store_error(exc))
+
+    async def chat_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ChatFormatError)
+        return _render(from_chat_error(exc))
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            return _render(NotFound("no such route", code="unknown_url"))
+        if exc.status_code == 405:
+            err = InvalidRequest("method not allowed on this route", code="method_not_allowed")
+            status, body = error_body(err)
+            return JSONResponse(body, status_code=405)
+        err = Conflict(str(exc.detail)) if exc.status_code == 409 else InvalidRequest(str(exc.detail))
+        status, body = error_body(err)
+        return JSONResponse(body, status_code=exc.status_code)
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        return _render(InvalidRequest(f"invalid request: {exc}"))
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return JSONResponse(error_body(GatewayError("internal error; see the gateway's log"))[1], status_code=500)
+
+    app.add_exception_handler(GatewayError, gateway_error)
+    app.add_exception_handler(store_errors.StoreError, store_error)
+    app.add_exception_handler(ChatFormatError, chat_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+async def _discover(router: EngineRouter, settings: GatewaySettings) -> tuple[dict[str, Any], int]:
+    engine = router.healthy_engine()
+    info = await engine.model_info()
+    context = settings.context_length
+    if not context:
+        try:
+            server = await engine.server_info()
+            context = int(server.get("context_length") or server.get("max_req_input_len") or 0)
+        except GatewayError:
+            context = 0
+    return info, context
+
+
+def create_app(
+    settings: GatewaySettings,
+    *,
+    http: httpx.AsyncClient | None = None,
+    store: Store | None = None,
+    tokenizer: Any | None = None,
+    admission: Any | None = None,
+) -> FastAPI:
+    """The gateway app. Injected parts are used as given and not closed at shutdown."""
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own_http = http is None
+        client = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1000,
+                                                               max_keepalive_connections=200))
+        router = EngineRouter([EngineClient(u, client, timeout_s=settings.engine_timeout_s)
+                               for u in settings.engine_url], health_interval_s=settings.health_interval_s)
+        own_store = store is None
+        opened: Store | None = store
+        try:
+            await router.wait_healthy(settings.startup_timeout_s)
+            info, context = await _discover(router, settings)
+            tok = tokenizer
+            if tok is None:
+                path = settings.tokenizer or info.get("tokenizer_path") or info.get("model_path")
+                if not path or not Path(str(path)).exists():
+                    raise RuntimeError(
+                        f"cannot find the tokenizer (engine says {path!r}); pass --tokenizer DIR")
+                tok = await asyncio.to_thread(load_tokenizer, path)
+            if not context:
+                context = int(getattr(tok, "model_max_length", 0) or 0)
+                if not 0 < context < 10_000_000:
+                    raise RuntimeError("unknown context length: pass --context-length N")
+            version = info.get("weight_version")
+            router.weight_version = int(version) if str(version).isdigit() else 0
+            metrics.weight_version.set(router.weight_version)
+            template = ChatTemplate(tok)
+            if opened is None:
+                from gateway.store import Store as StoreImpl
+
+                opened = await StoreImpl.open(settings.db, redis_url=settings.redis,
+                                              redis_prefix=settings.redis_prefix)
+            name = settings.model_name or Path(str(info.get("model_path") or "model")).name
+            if not hasattr(app.state, "admission"):
+                app.state.admission = admission or AlwaysAdmit()
+            app.state.started_at = time.time()
+            app.state.services = Services(
+                settings=settings, store=opened, router=router, tokenizer=tok, template=template,
+                metrics=metrics, model_name=name, context_length=context, implicit=ImplicitIndex(opened),
+                app_state=app.state)
+            await router.start()
+            log.info("gateway ready: model %s, context %d, engines %s, db %s", name, context,
+                     settings.engine_url, settings.db.split("@")[-1])
+            yield
+        finally:
+            await router.close()
+            if own_store and opened is not None:
+                await opened.close()
+            if own_http:
+                await client.aclose()
+
+    app = FastAPI(title="agentrl gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.metrics = metrics
+    if admission is not None:
+        app.state.admission = admission
+    _install_error_handlers(app)
+    for router_, prefix in routers():
+        app.include_router(router_, prefix=prefix)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

@@ -1,0 +1,173 @@
+"""Who is calling and which session a request belongs to.
+
+A bearer key is, in this order: the admin key, one of the agent keys, or a session's own key (looked up
+in the store by its hash). A chat request is bound to a session by
+
+- the session key (``Authorization: Bearer <session key>``), or
+- the URL ``/sessions/{session_id}/v1/...`` (with that session's key, an agent key or the admin key; a
+  session key used on another session's URL is 403), or
+- nothing (implicit mode, agent or admin key): the request continues the implicit episode that holds its
+  parent turn, or starts a new episode (its own session, ``group_id`` = hash of the root prompt + tools).
+
+Implicit mode needs to find the session from the messages alone. :class:`ImplicitIndex` maps the chain
+hash of every implicit turn to its session id (Redis when configured, so that replicas share it; else a
+bounded in-process map). When two episodes hold identical conversations (same prompt, same answers), a
+follow-up joins the most recent one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Request
+
+from redis.exceptions import RedisError
+
+from gateway.errors import (
+    AuthenticationFailed,
+    NotFound,
+    PermissionDenied,
+    StoreUnavailable,
+    from_store_error,
+)
+from gateway.settings import GatewaySettings
+from gateway.store import SessionRecord, Store
+from gateway.store import errors as store_errors
+
+Role = Literal["admin", "agent", "session"]
+
+
+@dataclass(slots=True)
+class Caller:
+    role: Role
+    session: SessionRecord | None = None  # the session whose key was used (role "session")
+
+
+def bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise AuthenticationFailed(
+            "missing API key: send it as 'Authorization: Bearer <key>' (a session key, an agent key or the "
+            "admin key)")
+    return token.strip()
+
+
+def _matches(key: str, candidates: Sequence[str]) -> bool:
+    found = False
+    for candidate in candidates:
+        found |= hmac.compare_digest(key.encode(), candidate.encode())
+    return found
+
+
+async def authenticate(request: Request, settings: GatewaySettings, store: Store) -> Caller:
+    key = bearer(request)
+    if _matches(key, [settings.admin_key]):
+        return Caller("admin")
+    if settings.agent_key and _matches(key, settings.agent_key):
+        return Caller("agent")
+    try:
+        session = await store.get_session_by_key(api_key=key)
+    except store_errors.NotFound:
+        raise AuthenticationFailed("invalid API key") from None
+    except store_errors.StoreError as exc:
+        raise from_store_error(exc) from exc
+    return Caller("session", session)
+
+
+def require_admin(caller: Caller) -> None:
+    if caller.role != "admin":
+        raise PermissionDenied("this endpoint needs the admin key")
+
+
+async def load_session(store: Store, session_id: str) -> SessionRecord:
+    try:
+        return await store.get_session(session_id=session_id)
+    except store_errors.NotFound:
+        raise NotFound(f"no session {session_id!r}", param="session_id") from None
+    except store_errors.StoreError as exc:
+        raise from_store_error(exc) from exc
+
+
+async def session_for(caller: Caller, url_session_id: str | None, store: Store) -> SessionRecord | None:
+    """The session a generation request is bound to; None means implicit mode."""
+    if caller.role == "session":
+        assert caller.session is not None
+        if url_session_id is not None and url_session_id != caller.session.id:
+            raise PermissionDenied(
+                f"this API key belongs to another session, not {url_session_id!r}", code="foreign_session")
+        return caller.session
+    if url_session_id is not None:
+        return await load_session(store, url_session_id)
+    return None
+
+
+def may_access_session(caller: Caller, session_id: str) -> None:
+    """Admin: any session; a session key: its own; agent keys: any (they act for implicit episodes)."""
+    if caller.role == "session" and (caller.session is None or caller.session.id != session_id):
+        raise PermissionDenied("this API key belongs to another session", code="foreign_session")
+
+
+def group_of_root(request_hash: str, tools: Any) -> str:
+    """The GRPO group of an implicit episode: same root prompt (and tools) -> same group."""
+    digest = hashlib.sha256(request_hash.encode())
+    if tools:
+        digest.update(json.dumps(tools, sort_keys=True, separators=(",", ":")).encode())
+    return "grp-" + digest.hexdigest()[:32]
+
+
+class ImplicitIndex:
+    """chain hash of an implicit-mode turn -> its session id (Redis-backed when the store has Redis)."""
+
+    def __init__(self, store: Store, *, max_entries: int = 1_000_000, ttl_s: int = 7 * 24 * 3600) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._local: OrderedDict[str, str] = OrderedDict()
+
+    def _key(self, chain_hash: str) -> str:
+        return f"{self.store.redis_prefix}gw:implicit:{chain_hash}"
+
+    async def lookup(self, hashes: Sequence[str]) -> str | None:
+        """The session of the first hash (longest prefix first) that an implicit turn was stored under."""
+        if not hashes:
+            return None
+        redis = self.store.redis
+        if redis is not None:
+            try:
+                values = await redis.mget([self._key(h) for h in hashes])
+            except RedisError as exc:
+                raise StoreUnavailable(f"Redis failed: {exc}") from exc
+            for value in values:
+                if value is not None:
+                    return value.decode() if isinstance(value, bytes) else str(value)
+            return None
+        for h in hashes:
+            if h in self._local:
+                return self._local[h]
+        return None
+
+    async def add(self, entries: Sequence[tuple[str, str]]) -> None:
+        """Remember ``(chain_hash, session_id)`` of recorded implicit turns."""
+        redis = self.store.redis
+        if redis is not None:
+            try:
+                async with redis.pipeline(transaction=False) as pipe:
+                    for h, sid in entries:
+                        pipe.set(self._key(h), sid, ex=self.ttl_s)
+                    await pipe.execute()
+            except RedisError as exc:
+                raise StoreUnavailable(f"Redis failed: {exc}") from exc
+            return
+        for h, sid in entries:
+            self._local[h] = sid
+            self._local.move_to_end(h)
+        while len(self._local) > self.max_entries:
+            self._local.popitem(last=False)
+

@@ -1,0 +1,445 @@
+"""Clients of SGLang-native engines: one :class:`EngineClient` per URL, an :class:`EngineRouter` over them.
+
+The wire shapes are those of ``docs/sglang-protocol.md`` (``POST /generate`` token in / token out with
+logprobs; pause/continue; weight updates; health). Every client takes an injected ``httpx.AsyncClient`` so
+that tests put a ``MockTransport`` at the protocol boundary. httpx errors are translated here, where they
+enter the gateway: connection problems become :class:`EngineUnavailable`, a 400 from the engine becomes
+:class:`InvalidRequest` with the engine's message, anything else :class:`EngineError`.
+
+The router keeps several engines in rotation: least in-flight requests first, with session affinity (a
+session sticks to the engine that served it, so that its prefix cache stays warm), periodic health
+checks (a dead engine leaves the rotation and comes back when ``/health`` answers 200 again). It also
+owns generation across weight updates: ``pause`` aborts in-flight generations on the engines; the router
+holds each aborted request, and on ``resume`` re-sends it as prompt + partial output, so the caller sees
+one uninterrupted generation whose tokens carry the weight version of the segment that produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
+
+log = logging.getLogger("agentrl.gateway.engine")
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What the gateway asks of one generation (converted to SGLang ``sampling_params``)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: int = 0
+
+    def to_wire(self, max_new_tokens: int) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "skip_special_tokens": False,
+        }
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """The cumulative state of one ``/generate`` call (SGLang streams cumulative chunks by default)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish: str | None  # "stop" | "length" | "abort" | None while running
+    matched: int | str | None
+    weight_version: int | None
+    prompt_tokens: int
+
+
+@dataclass(slots=True)
+class Generation:
+    """The cumulative state of a generation across segments (abort + resume makes several)."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None  # "stop" | "length" when done
+    matched: int | str | None = None
+    segments: int = 0
+    engine_url: str = ""
+
+
+def _parse_version(raw: object) -> int | None:
+    try:
+        return int(str(raw))
+    except (TypeError, ValueError):
+        return None  # SGLang's default version is the string "default"
+
+
+def parse_output(body: dict[str, Any]) -> EngineOutput:
+    """One SGLang ``/generate`` response (or cumulative stream chunk) as an :class:`EngineOutput`."""
+    if "error" in body:
+        err = body["error"]
+        raise EngineError(f"engine error: {err.get('message', err) if isinstance(err, dict) else err}")
+    meta = body.get("meta_info") or {}
+    ids = [int(t) for t in body.get("output_ids") or []]
+    entries = meta.get("output_token_logprobs") or []
+    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
+    if len(logprobs) != len(ids):
+        raise EngineError(
+            f"engine returned {len(ids)} output ids but {len(logprobs)} logprobs; is return_logprob honoured?")
+    top = meta.get("output_top_logprobs")
+    top_parsed = None
+    if top is not None:
+        top_parsed = [[(int(t[1]), float(t[0])) for t in (row or [])] for row in top]
+    reason = meta.get("finish_reason")
+    finish, matched = None, None
+    if isinstance(reason, dict):
+        finish, matched = reason.get("type"), reason.get("matched")
+    elif isinstance(reason, str):
+        finish = reason
+    return EngineOutput(ids, logprobs, top_parsed, finish, matched,
+                        _parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0))
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500] or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
+class EngineClient:
+    """One SGLang-native engine at ``base_url``, spoken to through the injected ``http`` client."""
+
+    def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.http = http
+        self.timeout = httpx.Timeout(timeout_s, connect=5.0)
+
+    def _translate(self, exc: httpx.HTTPError) -> EngineUnavailable:
+        return EngineUnavailable(f"engine {self.base_url} unreachable: {type(exc).__name__}: {exc}")
+
+    def _check(self, resp: httpx.Response) -> None:
+        if resp.status_code < 400:
+            return
+        message = _error_message(resp)
+        if resp.status_code == 400:
+            raise InvalidRequest(f"the engine rejected the request: {message}")
+        if resp.status_code == 503:
+            raise EngineUnavailable(f"engine {self.base_url} unavailable: {message}")
+        raise EngineError(f"engine {self.base_url} answered {resp.status_code}: {message}")
+
+    async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> httpx.Response:
+        try:
+            resp = await self.http.post(self.base_url + path, json=body,
+                                        timeout=self.timeout if timeout is None else timeout)
+        except httpx.HTTPError as exc:
+            raise self._translate(exc) from exc
+        self._check(resp)
+        return resp
+
+    async def _get(self, path: str, timeout: float = 10.0) -> httpx.Response:
+        try:
+            resp = await self.http.get(self.base_url + path, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise self._translate(exc) from exc
+        self._check(resp)
+        return resp
+
+    @staticmethod
+    def _body(input_ids: list[int], params: SamplingParams, max_new_tokens: int, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": params.to_wire(max_new_tokens),
+            "return_logprob": True,
+            "stream": stream,
+        }
+        if params.top_logprobs:
+            body["top_logprobs_num"] = params.top_logprobs
+        return body
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
+        resp = await self._post("/generate", self._body(input_ids, params, max_new_tokens, False))
+        return parse_output(resp.json())
+
+    async def generate_stream(
+        self, input_ids: list[int], params: SamplingParams, max_new_tokens: int
+    ) -> AsyncIterator[EngineOutput]:
+        """Cumulative outputs as the engine streams them (SGLang's default, non-incremental mode)."""
+        body = self._body(input_ids, params, max_new_tokens, True)
+        try:
+            async with self.http.stream("POST", self.base_url + "/generate", json=body,
+                                        timeout=self.timeout) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    self._check(resp)
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError as exc:
+                        raise EngineError(f"engine {self.base_url} sent a malformed stream chunk") from exc
+                    yield parse_output(chunk)
+        except httpx.HTTPError as exc:
+            raise self._translate(exc) from exc
+
+    async def health(self) -> bool:
+        try:
+            resp = await self.http.get(self.base_url + "/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        return (await self._get("/get_model_info")).json()
+
+    async def server_info(self) -> dict[str, Any]:
+        return (await self._get("/get_server_info")).json()
+
+    async def weight_version(self) -> int | None:
+        return _parse_version((await self._get("/get_weight_version")).json().get("weight_version"))
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode}, timeout=60.0)
+
+    async def continue_generation(self) -> None:
+        await self._post("/continue_generation", {}, timeout=60.0)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return (await self._post("/update_weights_from_disk", body)).json()
+
+
+@dataclass(slots=True)
+class EngineState:
+    client: EngineClient
+    healthy: bool = True
+    in_flight: int = 0
+    served: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    last_check: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"url": self.client.base_url, "healthy": self.healthy, "in_flight": self.in_flight,
+                "served": self.served, "failures": self.failures, "last_error": self.last_error,
+                "last_check": self.last_check}
+
+
+class EngineRouter:
+    """Routes generations over engines and holds them across pause/resume (see the module docstring)."""
+
+    def __init__(self, clients: list[EngineClient], *, health_interval_s: float = 5.0,
+                 affinity_size: int = 100_000) -> None:
+        if not clients:
+            raise ValueError("EngineRouter needs at least one engine")
+        self.engines = [EngineState(c) for c in clients]
+        self.health_interval_s = health_interval_s
+        self._affinity: OrderedDict[str, int] = OrderedDict()
+        self._affinity_size = affinity_size
+        self._running = asyncio.Event()
+        self._running.set()
+        self._pause_epoch = 0
+        self.weight_version = 0
+        self.held = 0  # generations waiting for resume
+        self._health_task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle and health ----
+    async def start(self) -> None:
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        results = await asyncio.gather(*(e.client.health() for e in self.engines))
+        for state, ok in zip(self.engines, results):
+            if ok != state.healthy:
+                log.warning("engine %s is now %s", state.client.base_url, "healthy" if ok else "unhealthy")
+            state.healthy = ok
+            state.last_check = time.time()
+            if ok:
+                state.last_error = None
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.check_health()
+            if any(e.healthy for e in self.engines):
+                return
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(
+                    f"no engine became healthy within {timeout_s:.0f}s: "
+                    + ", ".join(e.client.base_url for e in self.engines))
+            await asyncio.sleep(0.5)
+
+    def healthy_engine(self) -> EngineClient:
+        for state in self.engines:
+            if state.healthy:
+                return state.client
+        raise EngineUnavailable("no healthy engine")
+
+    def _mark_failed(self, state: EngineState, exc: Exception) -> None:
+        state.failures += 1
+        state.healthy = False
+        state.last_error = str(exc)
+        log.warning("engine %s taken out of rotation: %s", state.client.base_url, exc)
+
+    # ---- routing ----
+    def pick(self, affinity_key: str | None, exclude: set[int] | None = None) -> int:
+        """Index of the engine for a request: the session's engine if healthy, else the least loaded."""
+        exclude = exclude or set()
+        if affinity_key is not None and affinity_key in self._affinity:
+            index = self._affinity[affinity_key]
+            if self.engines[index].healthy and index not in exclude:
+                self._affinity.move_to_end(affinity_key)
+                return index
+        candidates = [i for i, e in enumerate(self.engines) if e.healthy and i not in exclude]
+        if not candidates:
+            raise EngineUnavailable(
+                "no healthy engine to serve the request (checked: "
+                + ", ".join(e.client.base_url for e in self.engines) + ")")
+        index = min(candidates, key=lambda i: (self.engines[i].in_flight, self.engines[i].served))
+        if affinity_key is not None:
+            self._affinity[affinity_key] = index
+            self._affinity.move_to_end(affinity_key)
+            while len(self._affinity) > self._affinity_size:
+                self._affinity.popitem(last=False)
+        return index
+
+    # ---- pause / resume ----
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop generation on every engine; in-flight generations are aborted and held until resume."""
+        self._pause_epoch += 1
+        self._running.clear()
+        await asyncio.gather(*(e.client.pause(mode) for e in self.engines if e.healthy))
+
+    async def resume(self, weight_version: int) -> None:
+        """Set the weight version, let engines generate again, and re-send every held generation."""
+        self.weight_version = weight_version
+        await asyncio.gather(*(e.client.continue_generation() for e in self.engines if e.healthy))
+        self._running.set()
+
+    # ---- generation ----
+    async def generate(
+        self, input_ids: list[int], params: SamplingParams, *, affinity_key: str | None, stream: bool
+    ) -> AsyncIterator[Generation]:
+        """Yield the cumulative :class:`Generation` as tokens arrive (once per segment without ``stream``).
+
+        The last item has ``finish`` set. An abort caused by a pause (or an engine lost mid-generation
+        while another is healthy) is invisible here: the partial output is kept and generation continues
+        from prompt + partial output after resume, each segment's tokens tagged with its weight version.
+        """
+        gen = Generation()
+        excluded: set[int] = set()
+        while True:
+            remaining = params.max_new_tokens - len(gen.output_ids)
+            if remaining <= 0:
+                gen.finish = "length"
+                yield gen
+                return
+            if not self._running.is_set():
+                self.held += 1
+                try:
+                    await self._running.wait()
+                finally:
+                    self.held -= 1
+            epoch = self._pause_epoch
+            index = self.pick(affinity_key, excluded)
+            state = self.engines[index]
+            gen.engine_url = state.client.base_url
+            gen.segments += 1
+            base = len(gen.output_ids)
+            fallback_version = self.weight_version
+            segment_ids = input_ids + gen.output_ids if base else input_ids
+            state.in_flight += 1
+            last: EngineOutput | None = None
+            try:
+                if stream:
+                    async for out in state.client.generate_stream(segment_ids, params, remaining):
+                        last = out
+                        self._merge(gen, base, out, fallback_version)
+                        if out.finish is None or out.finish != "abort":
+                            yield gen
+                else:
+                    last = await state.client.generate(segment_ids, params, remaining)
+                    self._merge(gen, base, last, fallback_version)
+            except EngineUnavailable as exc:
+                self._mark_failed(state, exc)
+                excluded.add(index)
+                if not any(e.healthy for i, e in enumerate(self.engines) if i not in excluded):
+                    raise
+                continue  # another engine continues from prompt + partial output
+            finally:
+                state.in_flight -= 1
+                state.served += 1
+            if last is None:
+                raise EngineError(f"engine {state.client.base_url} closed the stream without output")
+            if last.finish == "abort":
+                if self.paused or self._pause_epoch != epoch:
+                    continue  # held: resent after resume
+                raise EngineError(f"engine {state.client.base_url} aborted the generation")
+            if last.finish not in ("stop", "length"):
+                raise EngineError(f"engine {state.client.base_url} ended with finish_reason {last.finish!r}")
+            gen.finish = last.finish
+            gen.matched = last.matched
+            if not stream:
+                yield gen
+            return
+
+    @staticmethod
+    def _merge(gen: Generation, base: int, out: EngineOutput, fallback_version: int) -> None:
+        version = out.weight_version if out.weight_version is not None else fallback_version
+        del gen.output_ids[base:], gen.logprobs[base:], gen.versions[base:], gen.top_logprobs[base:]
+        gen.output_ids.extend(out.output_ids)
+        gen.logprobs.extend(out.logprobs)
+        gen.versions.extend([version] * len(out.output_ids))
+        if out.top_logprobs is not None:
+            gen.top_logprobs.extend(out.top_logprobs)

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one gateway process (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("agentrl_gateway_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+        self.latency = Histogram("agentrl_gateway_request_seconds", "HTTP request latency by route",
+                                 ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.interactions = Counter("agentrl_gateway_interactions_recorded",
+                                    "interactions (turns) recorded", ["kind"], registry=r)
+        self.roots = Counter("agentrl_gateway_root_turns",
+                             "turns recorded without a parent, by reason", ["reason"], registry=r)
+        self.drift = Counter("agentrl_gateway_template_drift",
+                             "child turns whose template re-render differs from the stitched tokens "
+                             "(stitched anyway), or that could not be stitched, by reason", ["reason"],
+                             registry=r)
+        self.tokens = Counter("agentrl_gateway_tokens", "tokens by kind (prompt sent, output recorded)",
+                              ["kind"], registry=r)
+        self.engine_seconds = Histogram("agentrl_gateway_engine_seconds", "engine time per choice",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.record_seconds = Histogram("agentrl_gateway_record_seconds",
+                                        "time to durably record a response's turns",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.resumed = Counter("agentrl_gateway_resumed_generations",
+                               "generations continued after an abort (pause/resume or engine loss)",
+                               registry=r)
+        self.held = Gauge("agentrl_gateway_held_generations", "generations held while engines are paused",
+                          registry=r)
+        self.weight_version = Gauge("agentrl_gateway_weight_version", "current policy weight version",
+                                    registry=r)
+        self.unknown_fields = Counter("agentrl_gateway_unknown_fields",
+                                      "unknown request fields accepted and ignored", ["field"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware counting requests by route template and status (no per-request task)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        start = time.perf_counter()
+
+        async def send_wrapper(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - start)

@@ -1,0 +1,69 @@
+"""Admin API (admin key): engines, pause/resume generation around weight pushes, version, trainer status."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from gateway.binding import require_admin
+from gateway.context import services
+from gateway.routes.common import caller, read_json
+from gateway.wire import PauseRequest, ResumeRequest, TrainerStatus
+
+router = APIRouter(prefix="/admin")
+
+
+async def _admin(request: Request) -> None:
+    require_admin(await caller(request))
+
+
+@router.get("/engines")
+async def engines(request: Request) -> JSONResponse:
+    await _admin(request)
+    r = services(request).router
+    return JSONResponse({"engines": [e.as_json() for e in r.engines], "paused": r.paused,
+                         "held": r.held, "weight_version": r.weight_version})
+
+
+@router.post("/pause")
+async def pause(request: Request) -> JSONResponse:
+    await _admin(request)
+    body = await read_json(request, PauseRequest, allow_empty=True)
+    svc = services(request)
+    await svc.router.pause(body.mode)
+    await asyncio.sleep(0)  # let aborted generations reach their hold point
+    return JSONResponse({"paused": True, "held": svc.router.held, "weight_version": svc.router.weight_version})
+
+
+@router.post("/resume")
+async def resume(request: Request) -> JSONResponse:
+    await _admin(request)
+    body = await read_json(request, ResumeRequest)
+    svc = services(request)
+    held = svc.router.held
+    await svc.router.resume(body.weight_version)
+    svc.metrics.weight_version.set(body.weight_version)
+    return JSONResponse({"paused": False, "resumed": held, "weight_version": body.weight_version})
+
+
+@router.get("/weight_version")
+async def weight_version(request: Request) -> JSONResponse:
+    await _admin(request)
+    return JSONResponse({"weight_version": services(request).router.weight_version})
+
+
+@router.post("/trainer")
+async def trainer(request: Request) -> JSONResponse:
+    await _admin(request)
+    body = await read_json(request, TrainerStatus)
+    admission = services(request).admission
+    admission.update_trainer(body.model_dump(include={"version", "batch_size", "staleness_bound"}))
+    return JSONResponse(admission.status())
+
+
+@router.get("/trainer")
+async def trainer_status(request: Request) -> JSONResponse:
+    await _admin(request)
+    return JSONResponse(services(request).admission.status())

@@ -1,0 +1,65 @@
+"""Request helpers shared by the routes: bounded JSON bodies validated into wire models, auth."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from gateway.binding import Caller, authenticate
+from gateway.context import services
+from gateway.errors import InvalidRequest, PayloadTooLarge, from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+async def read_body(request: Request) -> bytes:
+    limit = services(request).settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_json(request: Request, model: type[M], *, allow_empty: bool = False) -> M:
+    """The body parsed strictly (no NaN/Infinity literals) and validated into ``model``."""
+    raw = await read_body(request)
+    if not raw.strip() and allow_empty:
+        data: Any = {}
+    else:
+        try:
+            data = json.loads(raw, parse_constant=_no_constants)
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest("request body is not UTF-8 JSON", code="invalid_json") from exc
+        except ValueError as exc:
+            raise InvalidRequest(f"malformed JSON body: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("the request body must be a JSON object", code="invalid_type")
+    try:
+        parsed = model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+    extra = parsed.model_extra or {}
+    if extra:
+        metrics = services(request).metrics
+        for name in extra:
+            metrics.unknown_fields.labels(name[:64]).inc()
+    return parsed
+
+
+async def caller(request: Request) -> Caller:
+    svc = services(request)
+    return await authenticate(request, svc.settings, svc.store)

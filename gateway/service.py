@@ -1,0 +1,540 @@
+"""The generation service: from an authenticated request to recorded turns and an OpenAI response.
+
+For a chat completion:
+
+1. validate ``messages``/``tools`` (chat layer; 400 with the JSON path of the bad value);
+2. bind the session (``gateway.binding``) and find the parent turn: the longest prefix of the messages
+   that ends in an assistant message and equals a recorded turn's messages + returned message (hash chain,
+   one index probe per candidate);
+3. build the prompt token-exact: for a child, the parent's full token sequence + the chat layer's
+   continuation (bridge end-of-turn token if the parent was cut + the newly rendered messages); for a root,
+   the template's rendering; count roots by reason and template drift;
+4. generate every choice on the engines (``gateway.engine_client.EngineRouter``: routing, pause/resume);
+5. decode (``gateway.decoding``: stop strings, tool calls, logprobs);
+6. record every choice as its own interaction in ONE store call (group commit, all or nothing) and only
+   then return the response (or, when streaming, the final chunk).
+
+Nothing is recorded for a request that fails before step 6 (bad input, engine down), so no partial rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.binding import group_of_root
+from gateway.chat.errors import ChatFormatError, TemplateDriftError
+from gateway.chat.normalize import canonical_json, chain_hashes, extend_chain, validate_messages
+from gateway.context import Services
+from gateway.decoding import ChoiceDecoder, ChoiceResult, StreamDelta, logprobs_json
+from gateway.engine_client import Generation, SamplingParams
+from gateway.errors import (
+    Conflict,
+    ContextLengthExceeded,
+    GatewayError,
+    InvalidRequest,
+    error_body,
+    from_chat_error,
+    from_store_error,
+)
+from gateway.store import Interaction, SessionRecord
+from gateway.store import errors as store_errors
+from gateway.wire import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+log = logging.getLogger("agentrl.gateway.service")
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+@dataclass
+class TurnPlan:
+    """Where a new turn goes in the tree and the exact prompt it is generated from."""
+
+    session: SessionRecord | None  # None: a new implicit episode per choice (created when recording)
+    parent: Interaction | None
+    prompt: list[int]  # the whole prompt sent to the engine
+    recorded_prompt: list[int]  # what the store keeps: the delta beyond the parent (all of it for a root)
+    bridge_len: int
+    root_reason: str | None
+    request: dict[str, Any]  # recorded request: new messages + tools + params
+    request_hash: str
+    group_id: str | None = None  # implicit episodes: hash of the root prompt
+    implicit: bool = False
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ChoiceRun:
+    index: int
+    id: str
+    seed: int | None
+    decoder: ChoiceDecoder
+    result: ChoiceResult | None = None
+    engine_s: float = 0.0
+
+
+def _ms(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000.0, 3)
+
+
+class GenerationService:
+    def __init__(self, svc: Services) -> None:
+        self.svc = svc
+
+    # ------------------------------------------------------------------------------------ planning
+    async def _find_parent(self, session_id: str, candidates: list[tuple[int, str]]) -> Any:
+        try:
+            return await self.svc.store.find_parent(session_id=session_id, candidates=candidates)
+        except store_errors.StoreError as exc:
+            raise from_store_error(exc) from exc
+
+    async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> TurnPlan:
+        started = time.perf_counter()
+        try:
+            validate_messages(req.messages, req.tools)
+        except ChatFormatError as exc:
+            raise from_chat_error(exc) from exc
+        messages: list[dict[str, Any]] = req.messages
+        hashes = chain_hashes(messages)
+        candidates = [(k, hashes[k - 1]) for k in range(len(messages) - 1, 0, -1)
+                      if messages[k - 1].get("role") == "assistant"]
+        implicit = session is None
+        if implicit and candidates:
+            sid = await self.svc.implicit.lookup([h for _, h in candidates])
+            if sid is not None:
+                try:
+                    found = await self.svc.store.get_session(session_id=sid)
+                except store_errors.NotFound:
+                    found = None
+                except store_errors.StoreError as exc:
+                    raise from_store_error(exc) from exc
+                if found is not None and found.status == "active":
+                    session = found
+        if session is not None and session.status != "active":
+            raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
+                           code="session_not_active")
+        match = await self._find_parent(session.id, candidates) if session is not None and candidates else None
+        plan = await self._stitch(req, messages, match, candidates)
+        plan.session = session
+        plan.implicit = implicit
+        plan.request_hash = hashes[-1]
+        if session is None:
+            plan.group_id = group_of_root(hashes[-1], req.tools)
+            await self.svc.admission.check(kind="implicit_episode")
+        plan.timings["plan_ms"] = _ms(started)
+        return plan
+
+    async def _stitch(self, req: ChatCompletionRequest, messages: list[dict[str, Any]], match: Any,
+                      candidates: list[tuple[int, str]]) -> TurnPlan:
+        template, metrics = self.svc.template, self.svc.metrics
+        tools = req.tools or None
+        params = self._params_json(req)
+        if match is not None:
+            parent: Interaction = match.interaction
+            history, new = messages[: match.prefix_len], messages[match.prefix_len:]
+            parent_tools = parent.request.get("tools") or None
+            reason = None
+            if canonical_json(parent_tools) != canonical_json(tools):
+                reason = "tools_changed"
+            else:
+                try:
+                    cont = template.continuation(history, new, tools, parent.output_ids, parent.finish_reason)
+                except TemplateDriftError as exc:
+                    reason = "template_drift"
+                    metrics.drift.labels(exc.reason).inc()
+            if reason is None:
+                try:
+                    full = await self.svc.store.full_sequence(interaction_id=parent.id)
+                except store_errors.StoreError as exc:
+                    raise from_store_error(exc) from exc
+                if template.drift(full, history, tools, new):
+                    metrics.drift.labels("rerender_differs").inc()
+                request = {"messages": new, "tools": tools, "tool_choice": req.tool_choice,
+                           "prefix_len": match.prefix_len, "params": params}
+                return TurnPlan(None, parent, full + cont.prompt_ids, cont.prompt_ids, len(cont.bridge_ids),
+                                None, request, "")
+            root_reason = reason
+        else:
+            root_reason = "first_turn" if not candidates else "no_prefix_match"
+        prompt = template.render(messages, tools)
+        request = {"messages": messages, "tools": tools, "tool_choice": req.tool_choice, "prefix_len": 0,
+                   "params": params}
+        return TurnPlan(None, None, prompt, prompt, 0, root_reason, request, "")
+
+    @staticmethod
+    def _params_json(req: SamplingFields) -> dict[str, Any]:
+        return req.model_dump(include={"n", "temperature", "top_p", "seed", "stop", "max_tokens",
+                                       "max_completion_tokens", "logprobs", "top_logprobs"},
+                              exclude_none=True)
+
+    def _sampling(self, req: SamplingFields, prompt_len: int, top_logprobs: int) -> SamplingParams:
+        ctx = self.svc.context_length
+        if prompt_len >= ctx:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {ctx} tokens; the prompt has {prompt_len} tokens. "
+                "Shorten the conversation.", param="messages")
+        room = ctx - prompt_len
+        limit = getattr(req, "token_limit", None) or req.max_tokens or self.svc.settings.default_max_tokens or room
+        return SamplingParams(
+            max_new_tokens=min(limit, room),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=req.stop_list,
+            stop_token_ids=self.svc.template.stop_token_ids,
+            top_logprobs=top_logprobs,
+        )
+
+    def _choices(self, req: SamplingFields, prefix: str, parse_tools: bool) -> list[ChoiceRun]:
+        if req.n > self.svc.settings.max_n:
+            raise InvalidRequest(f"n must be at most {self.svc.settings.max_n}", param="n")
+        return [
+            ChoiceRun(i, new_id(prefix), None if req.seed is None else req.seed + i,
+                      ChoiceDecoder(self.svc.tokenizer, stop=req.stop_list,
+                                    stop_token_ids=self.svc.template.stop_token_ids, parse_tools=parse_tools))
+            for i in range(req.n)
+        ]
+
+    # ------------------------------------------------------------------------------------ generation
+    def _affinity(self, plan: TurnPlan) -> str | None:
+        if plan.session is not None:
+            return plan.session.id
+        return plan.group_id
+
+    async def _generate(self, plan: TurnPlan, params: SamplingParams, run: ChoiceRun) -> ChoiceResult:
+        started = time.perf_counter()
+        choice_params = _with_seed(params, run.seed)
+        last: Generation | None = None
+        async for gen in self.svc.router.generate(plan.prompt, choice_params, affinity_key=self._affinity(plan),
+                                                  stream=False):
+            last = gen
+        assert last is not None
+        run.engine_s = time.perf_counter() - started
+        run.result = run.decoder.finish(last)
+        return run.result
+
+    async def _generate_all(self, plan: TurnPlan, params: SamplingParams, runs: list[ChoiceRun]) -> None:
+        tasks = [asyncio.ensure_future(self._generate(plan, params, r)) for r in runs]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    # ------------------------------------------------------------------------------------ recording
+    async def _record(self, plan: TurnPlan, runs: list[ChoiceRun], chain: Callable[[ChoiceRun], str]) -> None:
+        store, metrics = self.svc.store, self.svc.metrics
+        started = time.perf_counter()
+        try:
+            sessions: list[str] = []
+            for _ in runs:
+                if plan.session is not None:
+                    sessions.append(plan.session.id)
+                else:
+                    created = await store.create_session(group_id=plan.group_id,
+                                                         metadata={"implicit": True})
+                    sessions.append(created.id)
+            rows = []
+            for run, sid in zip(runs, sessions):
+                res = run.result
+                assert res is not None
+                request = dict(plan.request)
+                request["params"] = {**plan.request["params"], **({"seed": run.seed} if run.seed is not None else {})}
+                rows.append(Interaction(
+                    id=run.id, session_id=sid, parent_id=plan.parent.id if plan.parent else None,
+                    request=request, response_message=res.message(), prompt_ids=plan.recorded_prompt,
+                    output_ids=res.output_ids, output_logprobs=res.logprobs, output_versions=res.versions,
+                    finish_reason=res.finish_reason, chain_hash=chain(run), request_hash=plan.request_hash,
+                    bridge_len=plan.bridge_len, root_reason=plan.root_reason,
+                    timings={**plan.timings, "engine_ms": round(run.engine_s * 1000.0, 3),
+                             "segments": float(res.segments)},
+                ))
+            await store.record_interactions(rows)
+        except store_errors.StoreError as exc:
+            raise from_store_error(exc) from exc
+        if plan.implicit:
+            await self.svc.implicit.add([(row.chain_hash, row.session_id) for row in rows])
+        metrics.record_seconds.observe(time.perf_counter() - started)
+        metrics.interactions.labels("root" if plan.parent is None else "child").inc(len(rows))
+        if plan.root_reason is not None:
+            metrics.roots.labels(plan.root_reason).inc(len(rows))
+        metrics.tokens.labels("prompt").inc(len(plan.prompt) * len(rows))
+        metrics.tokens.labels("output").inc(sum(len(r.output_ids) for r in rows))
+        for run in runs:
+            metrics.engine_seconds.observe(run.engine_s)
+
+    # ------------------------------------------------------------------------------------ chat
+    def _chat_chain(self, plan: TurnPlan) -> Callable[[ChoiceRun], str]:
+        def chain(run: ChoiceRun) -> str:
+            assert run.result is not None
+            return extend_chain(plan.request_hash, [run.result.message()])
+        return chain
+
+    def _chat_logprobs(self, req: ChatCompletionRequest, res: ChoiceResult) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        n = res.visible
+        return {"content": logprobs_json(self.svc.tokenizer, res.output_ids[:n], res.logprobs[:n],
+                                         res.top_logprobs, req.top_logprobs or 0)}
+
+    async def chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> dict[str, Any]:
+        plan = await self.plan_chat(req, session)
+        params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
+        runs = self._choices(req, "chatcmpl", req.wants_tools)
+        await self._generate_all(plan, params, runs)
+        await self._record(plan, runs, self._chat_chain(plan))
+        choices = []
+        for run in runs:
+            res = run.result
+            assert res is not None
+            choices.append({"index": run.index, "message": res.message(), "logprobs": self._chat_logprobs(req, res),
+                            "finish_reason": res.finish_reason, "response_id": run.id})
+        completion = sum(len(r.result.output_ids) for r in runs if r.result)
+        return {
+            "id": runs[0].id, "object": "chat.completion", "created": int(time.time()),
+            "model": self.svc.model_name, "choices": choices, "system_fingerprint": None,
+            "usage": {"prompt_tokens": len(plan.prompt), "completion_tokens": completion,
+                      "total_tokens": len(plan.prompt) + completion},
+        }
+
+    async def chat_stream(self, req: ChatCompletionRequest, session: SessionRecord | None) -> AsyncIterator[bytes]:
+        """Plan and start generating; errors up to the first engine output raise (a normal HTTP error).
+
+        Returns an iterator of SSE lines; the final chunk of every choice (``finish_reason``) is sent
+        only after all choices are recorded.
+        """
+        plan = await self.plan_chat(req, session)
+        params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
+        runs = self._choices(req, "chatcmpl", req.wants_tools)
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, last: bool = False) -> bytes:
+            body: dict[str, Any] = {"id": runs[0].id, "object": "chat.completion.chunk", "created": created,
+                                    "model": self.svc.model_name, "system_fingerprint": None, "choices": choices}
+            if include_usage:
+                body["usage"] = usage if last else None
+            return b"data: " + _dumps(body) + b"\n\n"
+
+        def delta_choice(run: ChoiceRun, delta: StreamDelta, gen: Generation) -> dict[str, Any] | None:
+            if not delta:
+                return None
+            out: dict[str, Any] = {}
+            if delta.content:
+                out["content"] = delta.content
+            if delta.tool_calls:
+                out["tool_calls"] = [{"index": i, **call} for i, call in delta.tool_calls]
+            logprobs = None
+            if req.logprobs and delta.token_end > delta.token_start:
+                s, e = delta.token_start, delta.token_end
+                logprobs = {"content": logprobs_json(self.svc.tokenizer, gen.output_ids[s:e], gen.logprobs[s:e],
+                                                     gen.top_logprobs[s:e], req.top_logprobs or 0)}
+            if not out and logprobs is None:
+                return None
+            return {"index": run.index, "delta": out, "logprobs": logprobs, "finish_reason": None,
+                    "response_id": run.id}
+
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue, delta_choice)) for run in runs]
+        first = await queue.get()
+        if first[0] == "error":
+            await _cancel(tasks)
+            raise first[1]
+        return self._sse(plan, runs, tasks, queue, first, chunk, include_usage,
+                         lambda run: {"index": run.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None, "response_id": run.id},
+                         lambda run: {"index": run.index, "delta": {}, "logprobs": None,
+                                      "finish_reason": run.result.finish_reason if run.result else None,
+                                      "response_id": run.id},
+                         self._chat_chain(plan))
+
+    async def _stream_choice(self, plan: TurnPlan, params: SamplingParams, run: ChoiceRun,
+                             queue: asyncio.Queue[tuple[str, Any]],
+                             render: Callable[[ChoiceRun, StreamDelta, Generation], dict[str, Any] | None]) -> None:
+        started = time.perf_counter()
+        try:
+            gen: Generation | None = None
+            stream = self.svc.router.generate(plan.prompt, _with_seed(params, run.seed),
+                                              affinity_key=self._affinity(plan), stream=True)
+            try:
+                async for gen in stream:
+                    if gen.finish is not None:
+                        break
+                    piece = render(run, run.decoder.step(gen), gen)
+                    if piece is not None:
+                        await queue.put(("delta", piece))
+                    if run.decoder.stopped:
+                        break
+            finally:
+                await stream.aclose()
+            if gen is None:
+                raise InvalidRequest("the engine produced no output")
+            run.engine_s = time.perf_counter() - started
+            delta, run.result = run.decoder.end(gen)
+            await queue.put(("end", render(run, delta, gen)))
+        except GatewayError as exc:
+            await queue.put(("error", exc))
+
+    async def _sse(self, plan: TurnPlan, runs: list[ChoiceRun], tasks: list[asyncio.Future[None]],
+                   queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any],
+                   chunk: Callable[..., bytes], include_usage: bool,
+                   opening: Callable[[ChoiceRun], dict[str, Any]] | None,
+                   closing: Callable[[ChoiceRun], dict[str, Any]],
+                   chain: Callable[[ChoiceRun], str]) -> AsyncIterator[bytes]:
+        try:
+            if opening is not None:
+                for run in runs:
+                    yield chunk([opening(run)])
+            pending = len(runs)
+            item: tuple[str, Any] | None = first
+            while pending:
+                kind, payload = item if item is not None else await queue.get()
+                item = None
+                if kind == "error":
+                    raise payload
+                if kind == "end":
+                    pending -= 1
+                if payload is not None:
+                    yield chunk([payload])
+            await self._record(plan, runs, chain)
+            for run in runs:
+                yield chunk([closing(run)])
+            if include_usage:
+                completion = sum(len(r.result.output_ids) for r in runs if r.result)
+                yield chunk([], {"prompt_tokens": len(plan.prompt), "completion_tokens": completion,
+                                 "total_tokens": len(plan.prompt) + completion}, last=True)
+            yield b"data: [DONE]\n\n"
+        except GatewayError as exc:
+            _, body = error_body(exc)
+            log.warning("stream ended with an error, nothing recorded: %s", exc.message)
+            yield b"data: " + _dumps(body) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            await _cancel(tasks)
+
+    # ------------------------------------------------------------------------------------ completions
+    async def plan_completion(self, req: CompletionRequest, session: SessionRecord | None) -> TurnPlan:
+        started = time.perf_counter()
+        if isinstance(req.prompt, str):
+            prompt = list(self.svc.tokenizer.encode(req.prompt, add_special_tokens=False))
+            if not prompt:
+                raise InvalidRequest("prompt must not be empty", param="prompt")
+        else:
+            vocab = len(self.svc.tokenizer)
+            bad = [t for t in req.prompt if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(f"prompt token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}",
+                                     param="prompt")
+            prompt = list(req.prompt)
+        if session is not None and session.status != "active":
+            raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
+                           code="session_not_active")
+        request_hash = hashlib.sha256(b"completion:" + _dumps(prompt)).hexdigest()
+        plan = TurnPlan(session, None, prompt, prompt, 0, "completion",
+                        {"prompt": req.prompt, "params": self._params_json(req)}, request_hash,
+                        implicit=session is None)
+        if session is None:
+            plan.group_id = "grp-" + request_hash[:32]
+            await self.svc.admission.check(kind="implicit_episode")
+        plan.timings["plan_ms"] = _ms(started)
+        return plan
+
+    def _completion_chain(self, plan: TurnPlan) -> Callable[[ChoiceRun], str]:
+        def chain(run: ChoiceRun) -> str:
+            assert run.result is not None
+            digest = hashlib.sha256(plan.request_hash.encode())
+            digest.update(_dumps(run.result.output_ids))
+            return digest.hexdigest()
+        return chain
+
+    def _completion_logprobs(self, req: CompletionRequest, res: ChoiceResult, ids: list[int],
+                             logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict[str, Any] | None:
+        if req.logprobs is None:
+            return None
+        entries = logprobs_json(self.svc.tokenizer, ids, logprobs, top, req.logprobs)
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]
+                if req.logprobs else None,
+                "text_offset": None}
+
+    async def completion(self, req: CompletionRequest, session: SessionRecord | None) -> dict[str, Any]:
+        plan = await self.plan_completion(req, session)
+        params = self._sampling(req, len(plan.prompt), req.logprobs or 0)
+        runs = self._choices(req, "cmpl", False)
+        await self._generate_all(plan, params, runs)
+        await self._record(plan, runs, self._completion_chain(plan))
+        choices = []
+        for run in runs:
+            res = run.result
+            assert res is not None
+            n = res.visible
+            choices.append({"index": run.index, "text": res.text, "finish_reason": res.finish_reason,
+                            "logprobs": self._completion_logprobs(req, res, res.output_ids[:n], res.logprobs[:n],
+                                                                  res.top_logprobs),
+                            "response_id": run.id})
+        completion = sum(len(r.result.output_ids) for r in runs if r.result)
+        return {"id": runs[0].id, "object": "text_completion", "created": int(time.time()),
+                "model": self.svc.model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(plan.prompt), "completion_tokens": completion,
+                          "total_tokens": len(plan.prompt) + completion}}
+
+    async def completion_stream(self, req: CompletionRequest, session: SessionRecord | None) -> AsyncIterator[bytes]:
+        plan = await self.plan_completion(req, session)
+        params = self._sampling(req, len(plan.prompt), req.logprobs or 0)
+        runs = self._choices(req, "cmpl", False)
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, last: bool = False) -> bytes:
+            body: dict[str, Any] = {"id": runs[0].id, "object": "text_completion", "created": created,
+                                    "model": self.svc.model_name, "choices": choices}
+            if include_usage:
+                body["usage"] = usage if last else None
+            return b"data: " + _dumps(body) + b"\n\n"
+
+        def delta_choice(run: ChoiceRun, delta: StreamDelta, gen: Generation) -> dict[str, Any] | None:
+            if not delta.content:
+                return None
+            return {"index": run.index, "text": delta.content, "logprobs": None, "finish_reason": None,
+                    "response_id": run.id}
+
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue, delta_choice)) for run in runs]
+        first = await queue.get()
+        if first[0] == "error":
+            await _cancel(tasks)
+            raise first[1]
+        return self._sse(plan, runs, tasks, queue, first, chunk, include_usage, None,
+                         lambda run: {"index": run.index, "text": "", "logprobs": None,
+                                      "finish_reason": run.result.finish_reason if run.result else None,
+                                      "response_id": run.id},
+                         self._completion_chain(plan))
+
+
+def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
+    if seed == params.seed:
+        return params
+    return SamplingParams(params.max_new_tokens, params.temperature, params.top_p, seed, params.stop,
+                          params.stop_token_ids, params.top_logprobs)
+
+
+async def _cancel(tasks: list[asyncio.Future[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+

@@ -1,0 +1,73 @@
+"""Settings of the gateway process (flags > ``AGENTRL_GATEWAY_*`` env > YAML > defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from agentrl.settings import SettingsError
+
+
+@dataclass
+class GatewaySettings:
+    env_prefix: ClassVar[str] = "AGENTRL_GATEWAY_"
+
+    engine_url: list[str] = field(default_factory=list, metadata={
+        "help": "SGLang-native engine URL(s), comma-separated or repeated (e.g. http://127.0.0.1:30000)"})
+    db: str = field(default="sqlite+aiosqlite:///agentrl.db", metadata={
+        "help": "SQLAlchemy URL of the conversation store (sqlite+aiosqlite:///path or postgresql+asyncpg://...)"})
+    redis: str | None = field(default=None, metadata={
+        "help": "Redis URL for state shared between gateway replicas (e.g. redis://127.0.0.1:6379/0)"})
+    redis_prefix: str = field(default="agentrl:", metadata={"help": "prefix of every Redis key"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    admin_key: str = field(default="", metadata={
+        "help": "bearer key for /admin/*, POST /v1/sessions and trajectory leasing (required)"})
+    agent_key: list[str] = field(default_factory=list, metadata={
+        "help": "bearer key(s) agents may use without a session: implicit episodes (repeatable)"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer + chat template directory; default: the engine's /get_model_info paths"})
+    model_name: str | None = field(default=None, metadata={
+        "help": "model id shown by /v1/models; default: the engine's model directory name"})
+    public_url: str | None = field(default=None, metadata={
+        "help": "URL agents reach the gateway at (for base_url in POST /v1/sessions); default http://host:port"})
+    max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={
+        "help": "largest request body accepted; larger ones get 413"})
+    max_n: int = field(default=16, metadata={"help": "largest n (choices per request) accepted"})
+    default_max_tokens: int = field(default=0, metadata={
+        "help": "max_tokens when a request gives none; 0 = the rest of the context (OpenAI behaviour)"})
+    context_length: int = field(default=0, metadata={
+        "help": "context length of the model; 0 = ask the engine (/get_server_info)"})
+    engine_timeout_s: float = field(default=600.0, metadata={"help": "timeout of one engine request"})
+    health_interval_s: float = field(default=5.0, metadata={
+        "help": "seconds between engine health checks (a dead engine leaves the rotation until healthy)"})
+    startup_timeout_s: float = field(default=120.0, metadata={
+        "help": "how long start-up waits for at least one healthy engine"})
+    log_level: str = field(default="info", metadata={"help": "log level (debug, info, warning)"})
+
+    def validate(self) -> None:
+        self.engine_url = [u.strip().rstrip("/") for u in self.engine_url if u.strip()]
+        if not self.engine_url:
+            raise SettingsError(
+                "no engine: pass --engine-url http://HOST:PORT (start one with `agentrl engine --port PORT`)")
+        for url in self.engine_url:
+            if not url.startswith(("http://", "https://")):
+                raise SettingsError(f"--engine-url {url!r} must start with http:// or https://")
+        if not self.admin_key:
+            raise SettingsError("no admin key: pass --admin-key KEY (or set AGENTRL_GATEWAY_ADMIN_KEY)")
+        if self.admin_key in self.agent_key:
+            raise SettingsError("--agent-key must differ from --admin-key (agents must not get admin rights)")
+        if not 0 < self.port < 65536:
+            raise SettingsError(f"--port {self.port} is not a valid TCP port (1-65535)")
+        if self.max_body_bytes < 1024:
+            raise SettingsError("--max-body-bytes must be at least 1024")
+        if self.max_n < 1:
+            raise SettingsError("--max-n must be at least 1")
+        if self.default_max_tokens < 0 or self.context_length < 0:
+            raise SettingsError("--default-max-tokens and --context-length must be >= 0 (0 = automatic)")
+        if not self.db.startswith(("sqlite", "postgresql")):
+            raise SettingsError(f"--db {self.db!r}: use sqlite+aiosqlite:///PATH or postgresql+asyncpg://...")
+        if self.public_url is None:
+            host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+            self.public_url = f"http://{host}:{self.port}"
+        self.public_url = self.public_url.rstrip("/")
