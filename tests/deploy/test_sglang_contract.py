@@ -1,0 +1,462 @@
+"""The gateway's SGLang client and the embedded engine, both held to SGLang's real wire format.
+
+The fixtures in ``tests/fixtures/sglang/`` reproduce real SGLang responses (shapes taken from SGLang's source;
+see ``make_fixtures.py``). Two sides are checked against them:
+
+1. ``gateway.engine_client`` (driven through ``respx`` at the HTTP boundary): what it sends is a request
+   SGLang accepts (known ``GenerateReqInput`` fields and ``SamplingParams`` keys), and it reads every
+   fixture (each finish reason, streams, aborts, errors, weight updates) into the right values.
+2. The embedded engine (a real ``agentrl engine --model tiny`` process): its responses have every key of the
+   fixtures, with the same JSON types and the same ``finish_reason`` shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import respx
+
+from tests.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "sglang"
+
+# Top-level fields of SGLang's GenerateReqInput and keys of SamplingParams (io_struct.py, sampling_params.py,
+# SGLang 0.5.x). A request with another top-level field fails SGLang's schema validation (400); an unknown
+# sampling key fails SamplingParams(**params).
+GENERATE_FIELDS = {
+    "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "sampling_params", "rid",
+    "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
+    "stream", "log_metrics", "return_hidden_states", "modalities", "session_params", "lora_path", "lora_id",
+    "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank",
+    "background", "priority", "extra_key", "no_logs", "custom_labels", "return_bytes",
+}
+SAMPLING_KEYS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+}
+
+
+def fixture(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+def response_of(fx: dict[str, Any]) -> httpx.Response:
+    if "body" in fx:
+        return httpx.Response(fx["status"], json=fx["body"])
+    return httpx.Response(fx["status"], content=fx["body_text"].encode(), headers={"content-type": fx["content_type"]})
+
+
+def sse_events(text: str) -> list[Any]:
+    events = [block[len("data: "):] for block in text.split("\n\n") if block.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+# ------------------------------------------------------------------------------------------------------
+# 1. the gateway's client against the fixtures
+# ------------------------------------------------------------------------------------------------------
+
+engine_client = pytest.importorskip("gateway.engine_client", reason="gateway/engine_client.py not there yet")
+gateway_errors = pytest.importorskip("gateway.errors")
+BASE = "http://sglang.test:30000"
+
+
+@pytest.fixture
+async def client():
+    async with httpx.AsyncClient() as http:
+        yield engine_client.EngineClient(BASE, http)
+
+
+def check_request(request: httpx.Request) -> dict[str, Any]:
+    body = json.loads(request.content)
+    assert set(body) <= GENERATE_FIELDS, f"fields SGLang's GenerateReqInput lacks: {set(body) - GENERATE_FIELDS}"
+    assert set(body["sampling_params"]) <= SAMPLING_KEYS, set(body["sampling_params"]) - SAMPLING_KEYS
+    assert "text" not in body and all(isinstance(t, int) for t in body["input_ids"])  # token in
+    assert body["return_logprob"] is True
+    return body
+
+
+NON_STREAM = ["generate_stop_eos", "generate_stop_token", "generate_stop_string", "generate_length",
+              "generate_abort_running", "generate_abort_waiting", "generate_default_version"]
+
+
+@pytest.mark.parametrize("name", NON_STREAM)
+async def test_client_reads_every_non_stream_generate_response(client, name):
+    fx = fixture(name)
+    body, meta = fx["body"], fx["body"]["meta_info"]
+    params = engine_client.SamplingParams(max_new_tokens=16, seed=7, stop=["\n\n"], stop_token_ids=[2])
+    with respx.mock:
+        route = respx.post(f"{BASE}/generate").mock(return_value=response_of(fx))
+        out = await client.generate(fx["request"]["input_ids"], params, 16)
+    sent = check_request(route.calls.last.request)
+    assert sent["input_ids"] == fx["request"]["input_ids"] and sent["stream"] is False
+    assert sent["sampling_params"]["max_new_tokens"] == 16
+    # the exact tokens, including a matched stop token, and one logprob per token
+    assert out.output_ids == body["output_ids"]
+    assert out.logprobs == [entry[0] for entry in meta["output_token_logprobs"]]
+    assert out.finish == meta["finish_reason"]["type"]
+    assert out.matched == meta["finish_reason"].get("matched")
+    version = meta["weight_version"]
+    assert out.weight_version == (int(version) if version.isdigit() else None)
+    assert out.prompt_tokens == meta.get("prompt_tokens", 0)
+
+
+@pytest.mark.parametrize("name", ["generate_stream_stop", "generate_stream_length", "generate_stream_abort"])
+async def test_client_reads_cumulative_streams(client, name):
+    fx = fixture(name)
+    chunks = sse_events(fx["body_text"])
+    params = engine_client.SamplingParams(max_new_tokens=16)
+    with respx.mock:
+        route = respx.post(f"{BASE}/generate").mock(return_value=response_of(fx))
+        outs = [o async for o in client.generate_stream(fx["request"]["input_ids"], params, 16)]
+    assert check_request(route.calls.last.request)["stream"] is True
+    assert len(outs) == len(chunks)
+    for out, chunk in zip(outs, chunks):  # cumulative: each chunk holds everything so far
+        assert out.output_ids == chunk["output_ids"]
+        assert len(out.logprobs) == len(chunk["output_ids"])
+    assert [o.finish for o in outs[:-1]] == [None] * (len(outs) - 1)
+    assert outs[-1].finish == chunks[-1]["meta_info"]["finish_reason"]["type"]
+
+
+async def test_client_raises_the_error_event_of_a_stream(client):
+    fx = fixture("generate_stream_error")
+    with respx.mock:
+        respx.post(f"{BASE}/generate").mock(return_value=response_of(fx))
+        with pytest.raises(gateway_errors.GatewayError, match="longer than the model's context length"):
+            async for _ in client.generate_stream(fx["request"]["input_ids"],
+                                                  engine_client.SamplingParams(max_new_tokens=16), 16):
+                pass
+
+
+@pytest.mark.parametrize("name,message", [
+    ("generate_error_validation", "validation error"),
+    ("generate_error_context", "longer than the model's context length"),
+])
+async def test_client_turns_sglang_400s_into_invalid_request(client, name, message):
+    fx = fixture(name)
+    with respx.mock:
+        respx.post(f"{BASE}/generate").mock(return_value=response_of(fx))
+        with pytest.raises(gateway_errors.InvalidRequest, match=message):
+            await client.generate([1, 2, 3], engine_client.SamplingParams(max_new_tokens=4), 4)
+
+
+async def test_client_control_and_weight_routes(client):
+    with respx.mock:
+        respx.get(f"{BASE}/health").mock(return_value=response_of(fixture("health")))
+        respx.get(f"{BASE}/get_model_info").mock(return_value=response_of(fixture("get_model_info")))
+        respx.get(f"{BASE}/get_weight_version").mock(return_value=response_of(fixture("get_weight_version")))
+        pause = respx.post(f"{BASE}/pause_generation").mock(return_value=response_of(fixture("pause_generation")))
+        cont = respx.post(f"{BASE}/continue_generation").mock(
+            return_value=response_of(fixture("continue_generation")))
+        update = respx.post(f"{BASE}/update_weights_from_disk").mock(
+            return_value=response_of(fixture("update_weights_from_disk_ok")))
+        assert await client.health() is True
+        assert (await client.model_info())["model_path"].startswith("/models/")
+        assert await client.weight_version() == 0
+        await client.pause("abort")
+        await client.continue_generation()
+        result = await client.update_weights_from_disk("/weights/step-1", weight_version=1)
+    assert json.loads(pause.calls.last.request.content) == {"mode": "abort"}
+    assert json.loads(cont.calls.last.request.content) == {}
+    sent = json.loads(update.calls.last.request.content)
+    assert sent == {"model_path": "/weights/step-1", "weight_version": "1"}  # SGLang takes the version as a string
+    assert result["success"] is True and result["num_paused_requests"] == 0
+
+
+async def test_client_reports_a_failed_weight_update(client):
+    fx = fixture("update_weights_from_disk_fail")
+    with respx.mock:
+        respx.post(f"{BASE}/update_weights_from_disk").mock(return_value=response_of(fx))
+        with pytest.raises(gateway_errors.GatewayError, match="Failed to get weights iterator"):
+            await client.update_weights_from_disk("/weights/missing", weight_version=1)
+
+
+async def test_router_resumes_an_aborted_generation_with_the_new_version():
+    """Pause (abort mode) mid-generation, resume with version 1: the second request is prompt + partial output,
+    and the tokens carry the version of the segment that produced them."""
+    aborted, finished = fixture("generate_abort_running"), fixture("generate_stop_eos")
+    resumed_body = json.loads(json.dumps(finished["body"]))
+    resumed_body["meta_info"]["weight_version"] = "1"
+    prompt = aborted["request"]["input_ids"]
+    partial = aborted["body"]["output_ids"]
+    paused = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+
+    async def on_generate(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        if len(sent) == 1:
+            await paused.wait()  # the engine answers the in-flight request once it has been paused
+            return httpx.Response(200, json=aborted["body"])
+        return httpx.Response(200, json=resumed_body)
+
+    async with httpx.AsyncClient() as http:
+        router = engine_client.EngineRouter([engine_client.EngineClient(BASE, http)])
+        with respx.mock:
+            respx.post(f"{BASE}/generate").mock(side_effect=on_generate)
+            respx.post(f"{BASE}/pause_generation").mock(return_value=response_of(fixture("pause_generation")))
+            respx.post(f"{BASE}/continue_generation").mock(return_value=response_of(fixture("continue_generation")))
+
+            async def consume():
+                return [g async for g in router.generate(prompt, engine_client.SamplingParams(max_new_tokens=16),
+                                                         affinity_key="s", stream=False)]
+
+            task = asyncio.create_task(consume())
+            while not sent:
+                await asyncio.sleep(0.01)
+            await router.pause("abort")
+            paused.set()
+            while router.held == 0:
+                await asyncio.sleep(0.01)
+            await router.resume(1)
+            gens = await asyncio.wait_for(task, 5)
+    assert len(sent) == 2
+    assert sent[1]["input_ids"] == prompt + partial
+    assert sent[1]["sampling_params"]["max_new_tokens"] == 16 - len(partial)
+    final = gens[-1]
+    assert final.finish == "stop"
+    assert final.output_ids == partial + finished["body"]["output_ids"]
+    assert final.versions == [0] * len(partial) + [1] * len(finished["body"]["output_ids"])
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. the embedded engine's real responses against the fixtures
+# ------------------------------------------------------------------------------------------------------
+
+def shape(value: Any) -> Any:
+    """JSON type tree: dicts keep their keys, lists the shape of their first element."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "int" if isinstance(value, int) else "float"
+    return type(value).__name__
+
+
+def assert_same_shape(real: Any, expected: Any, where: str = "body", *, lenient_numbers: bool = False) -> None:
+    """Every key of the fixture is in the real response with the same JSON type (extra real keys are fine:
+    SGLang adds keys between releases and clients ignore them)."""
+    if isinstance(expected, dict):
+        assert isinstance(real, dict), f"{where}: expected an object, got {real!r}"
+        missing = set(expected) - set(real)
+        assert not missing, f"{where}: keys SGLang sends that the embedded engine lacks: {sorted(missing)}"
+        for key in expected:
+            assert_same_shape(real[key], expected[key], f"{where}.{key}", lenient_numbers=lenient_numbers)
+    elif isinstance(expected, list):
+        assert isinstance(real, list), f"{where}: expected a list, got {real!r}"
+        if expected and real:
+            assert_same_shape(real[0], expected[0], f"{where}[0]", lenient_numbers=lenient_numbers)
+    elif expected == "NoneType" or real == "NoneType":
+        pass  # null-able fields (a logprob of the first prompt token, text in logprob entries)
+    elif expected in ("int", "float") and real in ("int", "float"):
+        assert real == expected or lenient_numbers or expected == "float", f"{where}: {real} instead of {expected}"
+    else:
+        assert real == expected, f"{where}: {real} instead of {expected}"
+
+
+# keys only newer SGLang releases send; the embedded engine may leave them out (clients must not need them)
+OPTIONAL_META = {"num_retractions", "reasoning_tokens"}
+# FINISH_ABORT.to_json() adds status_code/err_type (null for pause/abort_request); an abort of a request still
+# waiting in the queue has neither, so clients cannot rely on them. The embedded engine leaves them out.
+OPTIONAL_ABORT = {"status_code", "err_type"}
+
+
+def meta_shape(body: dict[str, Any]) -> dict[str, Any]:
+    s = shape(body)
+    for key in OPTIONAL_META:
+        s["meta_info"].pop(key, None)
+    if isinstance(s["meta_info"].get("finish_reason"), dict):
+        for key in OPTIONAL_ABORT:
+            s["meta_info"]["finish_reason"].pop(key, None)
+    return s
+
+
+@pytest.fixture(scope="module")
+def engine_url(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "agentrl", "engine", "--model", "tiny", "--port", str(port),
+                                 "--device", "cpu", "--max-running-requests", "4"],
+                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"agentrl engine exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"agentrl engine not healthy after 90 s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def greedy(request: dict[str, Any], **sampling: Any) -> dict[str, Any]:
+    req = json.loads(json.dumps(request))
+    req["sampling_params"].update({"temperature": 0.0, "stop_token_ids": [], **sampling})
+    req["sampling_params"] = {k: v for k, v in req["sampling_params"].items() if v != []}
+    return req
+
+
+def test_engine_length_response_matches_sglang(engine_url):
+    fx = fixture("generate_length")
+    resp = post(engine_url, "/generate", greedy(fx["request"], max_new_tokens=8, ignore_eos=True))
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert_same_shape(meta_shape(body), meta_shape(fx["body"]))
+    assert body["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert len(body["output_ids"]) == body["meta_info"]["completion_tokens"] == 8
+    assert body["meta_info"]["prompt_tokens"] == len(fx["request"]["input_ids"])
+    assert [e[1] for e in body["meta_info"]["output_token_logprobs"]] == body["output_ids"]
+    assert body["meta_info"]["weight_version"].isdigit()
+
+
+def test_engine_stop_token_and_stop_string_match_sglang(engine_url):
+    request = fixture("generate_stop_token")["request"]
+    free = post(engine_url, "/generate", greedy(request, max_new_tokens=6, ignore_eos=True)).json()
+    first, ids = free["output_ids"][0], free["output_ids"]
+    # greedy decoding is deterministic: stop at the token it produces first
+    body = post(engine_url, "/generate", greedy(request, max_new_tokens=6, stop_token_ids=[first])).json()
+    assert_same_shape(meta_shape(body), meta_shape(fixture("generate_stop_token")["body"]))
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+    assert body["output_ids"] == [first], "SGLang keeps the matched stop token in output_ids"
+    # stop string: the first characters of the same greedy text; the tokens that formed it stay in output_ids,
+    # the text is cut before it
+    stop = free["text"][:2]
+    if not stop:
+        pytest.skip(f"greedy output {ids} decodes to no text to use as a stop string")
+    body = post(engine_url, "/generate", greedy(request, max_new_tokens=6, stop=[stop], ignore_eos=True)).json()
+    assert_same_shape(meta_shape(body), meta_shape(fixture("generate_stop_string")["body"]))
+    assert body["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in body["text"]
+    assert body["output_ids"] and body["output_ids"] == ids[: len(body["output_ids"])], \
+        "the stop string's tokens stay in output_ids"
+
+
+def test_engine_stream_and_abort_match_sglang(engine_url):
+    fx = fixture("generate_stream_abort")
+    request = greedy(fx["request"], max_new_tokens=2000, ignore_eos=True)
+    events: list[str] = []
+
+    def read_stream() -> None:
+        with httpx.stream("POST", engine_url + "/generate", json=request, timeout=120) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+
+    import threading
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(events) >= 3, "the engine streamed nothing"
+        paused = post(engine_url, "/pause_generation", {"mode": "abort"})
+        assert paused.status_code == 200
+        assert_same_shape(shape(paused.json()), shape(fixture("pause_generation")["body"]))
+        reader.join(30)
+    finally:
+        cont = post(engine_url, "/continue_generation", {})
+        reader.join(30)
+    assert cont.status_code == 200
+    assert_same_shape(shape(cont.json()), shape(fixture("continue_generation")["body"]))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    expected = sse_events(fx["body_text"])
+    for chunk in chunks[:-1]:
+        assert_same_shape(meta_shape(chunk), meta_shape(expected[0]))
+        assert chunk["meta_info"]["finish_reason"] is None
+    last = chunks[-1]
+    assert_same_shape(meta_shape(last), meta_shape(expected[-1]))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert isinstance(last["meta_info"]["finish_reason"].get("message"), str)
+    assert 0 < len(last["output_ids"]) < 2000
+    # cumulative: each chunk extends the one before
+    for before, after in zip(chunks, chunks[1:]):
+        assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+
+
+def test_engine_control_and_weight_update_responses_match_sglang(engine_url, tiny_model_dir):
+    health = httpx.get(engine_url + "/health", timeout=10)
+    assert health.status_code == 200
+    info = httpx.get(engine_url + "/get_model_info", timeout=10).json()
+    expected_info = fixture("get_model_info")["body"]
+    for key in ("model_path", "tokenizer_path", "is_generation", "weight_version"):
+        assert key in info, f"/get_model_info lacks {key}"
+    assert isinstance(info["weight_version"], str) and isinstance(info["is_generation"], bool)
+    assert set(expected_info) - set(info) <= {"preferred_sampling_params", "model_type", "architectures"}
+    version = httpx.get(engine_url + "/get_weight_version", timeout=10).json()
+    assert_same_shape(shape(version), shape(fixture("get_weight_version")["body"]))
+
+    before = int(version["weight_version"])
+    ok = post(engine_url, "/update_weights_from_disk",
+              {"model_path": str(tiny_model_dir), "weight_version": str(before + 1)})
+    assert ok.status_code == 200, ok.text
+    assert_same_shape(shape(ok.json()), shape(fixture("update_weights_from_disk_ok")["body"]))
+    assert ok.json()["success"] is True
+    assert httpx.get(engine_url + "/get_weight_version", timeout=10).json()["weight_version"] == str(before + 1)
+
+    bad = post(engine_url, "/update_weights_from_disk", {"model_path": "/nonexistent/weights", "weight_version": "9"})
+    assert bad.status_code == 400
+    assert_same_shape(shape(bad.json()), shape(fixture("update_weights_from_disk_fail")["body"]))
+    assert bad.json()["success"] is False
+    assert httpx.get(engine_url + "/get_weight_version", timeout=10).json()["weight_version"] == str(before + 1)
+
+
+def test_engine_errors_match_sglang(engine_url):
+    bad = post(engine_url, "/generate", {"input_ids": "not a list", "sampling_params": {}})
+    assert bad.status_code == 400
+    assert_same_shape(shape(bad.json()), shape(fixture("generate_error_validation")["body"]))
+    info = httpx.get(engine_url + "/get_server_info", timeout=10).json()
+    too_long = list(range(1, int(info["context_length"]) + 10))
+    resp = post(engine_url, "/generate", {"input_ids": too_long, "sampling_params": {"max_new_tokens": 1},
+                                          "return_logprob": True})
+    assert resp.status_code == 400
+    assert_same_shape(shape(resp.json()), shape(fixture("generate_error_context")["body"]))
+
+
+@pytest.mark.xfail(strict=True, reason="known difference (reported): the embedded engine answers a stream whose "
+                   "prompt is too long with a 400 JSON body; SGLang answers 200 with an error event, then [DONE]")
+def test_engine_stream_error_is_an_event_like_sglang(engine_url):
+    info = httpx.get(engine_url + "/get_server_info", timeout=10).json()
+    too_long = list(range(1, int(info["context_length"]) + 10))
+    stream = post(engine_url, "/generate", {"input_ids": too_long, "sampling_params": {"max_new_tokens": 1},
+                                            "stream": True})
+    assert stream.status_code == 200, f"{stream.status_code} {stream.text[:200]}"
+    events = sse_events(stream.text)
+    assert_same_shape(shape(events[0]), shape(sse_events(fixture("generate_stream_error")["body_text"])[0]))
