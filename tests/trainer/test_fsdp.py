@@ -1,0 +1,49 @@
+"""FSDP2 on CPU: a GRPO step on two gloo processes equals the same step on one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, free_port
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+def _run(nproc: int, out: Path, budget: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(out), str(budget)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_two_process_step_equals_one_process_step(tmp_path, tiny_model_dir):
+    from tests.trainer.fsdp_worker import one_step
+
+    one = one_step(budget=4096)  # in this process (a one-process group), the whole batch in one micro-batch
+    two = _run(2, tmp_path / "two.pt", budget=40)  # two ranks, several micro-batches each
+    assert two["world_size"] == 2
+    m1, m2 = one["metrics"], two["metrics"]
+    assert m2["actor/loss"] == pytest.approx(m1["actor/loss"], abs=1e-6)
+    assert m2["actor/grad_norm"] == pytest.approx(m1["actor/grad_norm"], rel=1e-5)
+    assert m2["batch/loss_tokens"] == m1["batch/loss_tokens"]
+    assert m2["actor/entropy"] == pytest.approx(m1["actor/entropy"], rel=1e-5)
+    assert one["weights"].keys() == two["weights"].keys()
+    changed = 0
+    base = {}
+    from safetensors.torch import load_file
+
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    for name, w1 in one["weights"].items():
+        w2 = two["weights"][name]
+        assert torch.allclose(w1, w2, atol=2e-6, rtol=0), f"{name}: max diff {(w1 - w2).abs().max():.2e}"
+        changed += int(not torch.equal(w1, base[name]))
+    assert changed == len(one["weights"])  # the step did update every tensor

@@ -1,0 +1,182 @@
+"""The training loop: lease -> drop duplicates -> train step -> push weights -> ack -> log -> checkpoint.
+
+Reads top to bottom in :func:`train`; the helpers below it hold the detail. Order matters for safety: a
+lease is acknowledged only after its rows were trained on **and** the new weights are being served, so a
+crash or a refused weight push leaves the batch to be re-delivered (the gateway re-queues unacknowledged
+leases) rather than lost; re-delivered rows already trained on are dropped by ``row_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+import torch
+
+from agentrl.trajectory import decode_batch
+from trainer import checkpoint
+from agentrl.settings import SettingsError
+from trainer.config import TrainerSettings
+from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, drop_duplicates, parse_lease
+from trainer.model import DistInfo, init_distributed, load_model
+from trainer.step import train_step
+from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, broadcast_object,
+                                 push_weights)
+
+log = logging.getLogger("trainer")
+
+
+def train(settings: TrainerSettings) -> checkpoint.TrainerState:
+    """Run GRPO until ``settings.steps`` (or forever); returns the final trainer state."""
+    from engine.models import resolve_model
+
+    if not settings.gateway:
+        raise SettingsError("agentrl train needs --gateway URL: batches are leased from the gateway")
+    info = init_distributed(settings.device)
+    torch.manual_seed(settings.seed)
+    model_dir = resolve_model(settings.model)
+    resume_from = checkpoint.latest(settings.checkpoint_dir) if settings.resume else None
+    model = load_model(resume_from or model_dir, dtype=settings.dtype, device=info.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    state = checkpoint.TrainerState()
+    if resume_from is not None:
+        checkpoint.load_optimizer(resume_from, model, optimizer)
+        state = checkpoint.load_state(resume_from)
+    seen = SeenRows.from_state(state.seen_rows)
+    leases = LeaseClient(settings.gateway, settings.admin_key) if info.is_main and settings.gateway else None
+    control, transport = build_sync(settings, model_dir, info)
+    announce_trainer(control, settings, state.version, info)
+    if resume_from is not None and transport is not None:  # engines may have restarted on the base weights
+        push_weights(model, state.version, info=info, transport=transport, control=control,
+                     retries=settings.sync_retries)
+    metrics_out = open_metrics(settings, info)
+    idle_since = time.monotonic()
+
+    while not settings.steps or state.step < settings.steps:
+        lease = next_lease(leases, settings, info)
+        if lease is None:
+            if settings.max_idle_s and time.monotonic() - idle_since > settings.max_idle_s:
+                log.warning("no data for %.0f s; stopping", settings.max_idle_s)
+                break
+            continue
+        idle_since = time.monotonic()
+        rows, dropped = drop_duplicates(lease.rows, seen)
+        if not rows:  # everything was trained on already: a re-delivery after a crash before the ack
+            ack(leases, lease, info)
+            continue
+
+        metrics = train_step(model, optimizer, rows, settings, info, version=state.version)
+        if transport is not None:
+            pushed = push_weights(model, state.version + 1, info=info, transport=transport, control=control,
+                                  retries=settings.sync_retries)
+            metrics.update({"sync/seconds": pushed.seconds, "sync/gb_per_s": pushed.gb_per_s,
+                            "sync/attempts": pushed.attempts})
+        state.version += 1
+        state.step += 1
+        for row in rows:
+            seen.add(row.row_id)
+        ack(leases, lease, info)
+        announce_trainer(control, settings, state.version, info)
+
+        metrics.update({"step": state.step, "version": state.version, "batch/duplicates_dropped": dropped,
+                        "batch/groups": len({r.group_id for r in rows}), "time": time.time()})
+        log_metrics(metrics, metrics_out, info)
+        if settings.save_every and state.step % settings.save_every == 0:
+            save(settings, state, seen, model, optimizer, info, model_dir)
+
+    if state.step and (checkpoint.latest(settings.checkpoint_dir) != checkpoint.step_dir(settings.checkpoint_dir, state.step)):
+        save(settings, state, seen, model, optimizer, info, model_dir)
+    if metrics_out is not None:
+        metrics_out.close()
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo):
+    """(control, transport) for the configured sync mode; (None, None) for ``--sync-mode none``."""
+    if settings.sync_mode == "none":
+        return None, None
+    client = httpx.Client(timeout=120.0)
+    if settings.gateway:
+        control = GatewayControl(settings.gateway, settings.admin_key, engine_urls=settings.engine_urls)
+    else:
+        control = DirectControl(settings.engine_urls, client=client)
+    if settings.sync_mode == "disk":
+        sync_dir = Path(settings.sync_dir or Path(settings.checkpoint_dir) / "sync")
+        return control, DiskSync(sync_dir=sync_dir, source_dir=model_dir, client=client)
+    backend = "nccl" if info.device.type == "cuda" else "gloo"
+    return control, BroadcastSync(client=client, bucket_bytes=int(settings.sync_bucket_mb * 2**20),
+                                  master_addr=settings.sync_master_addr, master_port=settings.sync_master_port,
+                                  backend=backend)
+
+
+def announce_trainer(control: Any, settings: TrainerSettings, version: int, info: DistInfo) -> None:
+    """Tell the gateway the trainer's version, batch size and staleness bound (admission control)."""
+    if info.is_main and isinstance(control, GatewayControl):
+        control.register_trainer(version, settings.batch_groups, settings.staleness_bound)
+
+
+def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: DistInfo) -> Lease | None:
+    """Rank 0 leases a batch; every rank gets the same rows (bytes broadcast, decoded locally)."""
+    payload: Any = None
+    if info.is_main and leases is not None:
+        try:
+            lease = leases.lease(settings.batch_groups, settings.lease_wait_s)
+            payload = None if lease is None else (lease.raw, lease.lease_id)
+        except GatewayError as exc:  # every rank must stop, not only rank 0
+            payload = exc
+    payload = broadcast_object(payload, info)
+    if isinstance(payload, GatewayError):
+        raise payload
+    if payload is None:
+        return None
+    raw, lease_id = payload
+    if info.is_main:
+        return parse_lease(raw, {"x-lease-id": lease_id})
+    rows, meta = decode_batch(raw)
+    return Lease(lease_id=lease_id, rows=rows, meta=meta, raw=raw)
+
+
+def ack(leases: LeaseClient | None, lease: Lease, info: DistInfo) -> None:
+    if info.is_main and leases is not None:
+        leases.ack(lease.lease_id)
+
+
+def save(settings: TrainerSettings, state: checkpoint.TrainerState, seen: SeenRows, model: torch.nn.Module,
+         optimizer: torch.optim.Optimizer, info: DistInfo, model_dir: Path) -> Path:
+    state.seen_rows = seen.state()
+    path = checkpoint.save(settings.checkpoint_dir, state, model, optimizer, info, source_dir=model_dir)
+    if info.is_main:
+        print(f"[trainer] checkpoint step {state.step} version {state.version} -> {path}", file=sys.stderr, flush=True)
+    return path
+
+
+def open_metrics(settings: TrainerSettings, info: DistInfo) -> TextIO | None:
+    if not info.is_main:
+        return None
+    path = Path(settings.checkpoint_dir) / "metrics.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a", buffering=1)
+
+
+def log_metrics(metrics: dict[str, Any], out: TextIO | None, info: DistInfo) -> None:
+    """One JSON line per step in ``metrics.jsonl`` and one progress line on stderr (rank 0)."""
+    if not info.is_main:
+        return
+    if out is not None:
+        out.write(json.dumps(metrics) + "\n")
+    print(
+        f"[trainer] step {metrics['step']} v{metrics['version']} reward {metrics['reward/mean']:.3f} "
+        f"loss {metrics['actor/loss']:+.4f} clip {metrics['actor/clip_frac']:.3f} "
+        f"ent {metrics['actor/entropy']:.3f} gap {metrics['logprob_gap/mean']:.2e} "
+        f"rows {int(metrics['batch/rows'])} tok/s {metrics['perf/tokens_per_s']:.0f}"
+        + (f" sync {metrics['sync/seconds']:.2f}s" if "sync/seconds" in metrics else ""),
+        file=sys.stderr, flush=True,
+    )

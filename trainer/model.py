@@ -1,0 +1,113 @@
+"""The trained model: process group, FSDP2 sharding, token logprobs, and full weights for pushes/checkpoints.
+
+Under ``torchrun`` every rank joins the default process group (NCCL on GPUs with gloo for CPU-side
+objects, gloo on CPUs); a plain ``python -m trainer`` / ``agentrl train`` joins a one-process group, so the
+sharded code path is the only one. Each decoder layer is one FSDP2 unit (``fully_shard``) and the root
+(embeddings, final norm, tied LM head) another.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from trainer.core_algos import token_entropy
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but no CUDA GPU is visible; use --device cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_distributed(device_name: str = "auto") -> DistInfo:
+    """Join the default process group (torchrun's env, or a one-process group when run directly)."""
+    device = resolve_device(device_name)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), device, backend)
+
+
+def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device | None = None) -> torch.nn.Module:
+    """Load a Hugging Face causal LM and shard it with FSDP2 over the default process group."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")
+    if device is not None and device.type == "cuda":
+        model = model.to(device)
+    model.config.use_cache = False
+    return shard(model)
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: one unit per decoder layer, plus the root (embeddings, norm, tied LM head)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) tokens -> (B, T-1) log p(token t+1 | tokens <= t) in float32, and optionally the entropy."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = token_entropy(logits.detach()) if with_entropy else None
+    return logp, entropy
+
+
+def tied_duplicates(model: torch.nn.Module) -> set[str]:
+    """State-dict names that are tied to another (e.g. ``lm_head.weight``): saved and sent once."""
+    if getattr(model.config, "tie_word_embeddings", False):
+        return {"lm_head.weight"}
+    return set()
+
+
+def iter_full_tensors(model: torch.nn.Module, *, to_cpu: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every weight, gathered from the shards. A collective: every rank must iterate."""
+    skip = tied_duplicates(model)
+    for name, value in model.state_dict().items():
+        if name in skip:
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        yield name, (full.detach().cpu() if to_cpu else full.detach())
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    skip = tied_duplicates(model)
+    return sum(v.numel() * v.element_size() for k, v in model.state_dict().items() if k not in skip)

@@ -1,0 +1,417 @@
+"""Weights out: push the trainer's weights to the engines, wrapped as pause -> update -> resume.
+
+Two transports, one wrapper:
+
+* :class:`DiskSync`: rank 0 writes a Hugging Face directory (safetensors + config + tokenizer) under
+  ``sync_dir/v<version>`` and every engine loads it with ``POST /update_weights_from_disk``.
+* :class:`BroadcastSync`: rank 0 forms a process group with the engines once (``POST
+  /init_weights_update_group`` on each engine while the trainer joins as rank 0, see
+  :mod:`agentrl.weight_group`), then sends the weights in buckets: for each bucket, ``POST
+  /update_weights_from_distributed`` with the names/dtypes/shapes (from a thread, because the engine answers
+  only once it has received the tensors) while the trainer broadcasts the same tensors in the same order.
+
+:func:`push_weights` pauses generation (through the gateway's ``POST /admin/pause`` so that in-flight
+requests are aborted, held and later resumed by the gateway; or directly on the engines when there is no
+gateway), updates, and resumes with the new version (``POST /admin/resume {"weight_version"}``). A failed
+update is retried; after the last attempt the engines that already took the new weights are rolled back
+(disk mode: they reload the previous directory), generation resumes on the **old** version, and
+:class:`WeightSyncError` stops the trainer. The caller acknowledges its lease only after a successful push,
+so nothing is acknowledged that the engines do not serve.
+
+Gathering the full weights from the FSDP2 shards is a collective: every rank calls :func:`push_weights`;
+only rank 0 talks HTTP, and its outcome is broadcast so that every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from trainer.model import DistInfo, iter_full_tensors
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight push failed after every retry; the engines keep serving the old version."""
+
+
+def _post(client: httpx.Client, url: str, body: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+    """POST JSON; any transport error, non-2xx status or ``success: false`` raises WeightSyncError."""
+    try:
+        resp = client.post(url, json=body, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise WeightSyncError(f"POST {url} failed: {exc!r}") from exc
+    try:
+        data = resp.json() if resp.content else {}
+    except ValueError:
+        data = {"message": resp.text[:300]}
+    if resp.status_code >= 300 or (isinstance(data, dict) and data.get("success") is False):
+        message = data.get("message") or data.get("error") or resp.text[:300] if isinstance(data, dict) else resp.text[:300]
+        raise WeightSyncError(f"POST {url} answered {resp.status_code}: {message}")
+    return data if isinstance(data, dict) else {}
+
+
+# ------------------------------------------------------------------------------------ pause and resume
+
+
+class Control(Protocol):
+    def engines(self) -> list[str]: ...
+    def pause(self) -> None: ...
+    def resume(self, version: int) -> None: ...
+
+
+class GatewayControl:
+    """Pause/resume through the gateway's admin API, which holds and re-sends aborted requests."""
+
+    def __init__(self, gateway: str, admin_key: str, *, client: httpx.Client | None = None,
+                 engine_urls: Iterable[str] = ()) -> None:
+        self.base = gateway.rstrip("/")
+        self.client = client or httpx.Client(timeout=60.0)
+        self.client.headers["Authorization"] = f"Bearer {admin_key}"
+        self._engine_urls = list(engine_urls)
+
+    def engines(self) -> list[str]:
+        if self._engine_urls:
+            return self._engine_urls
+        try:
+            resp = self.client.get(f"{self.base}/admin/engines")
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(f"cannot list engines at {self.base}/admin/engines: {exc!r}") from exc
+        if resp.status_code != 200:
+            raise WeightSyncError(f"GET /admin/engines answered {resp.status_code}: {resp.text[:300]}")
+        return parse_engines(resp.json())
+
+    def pause(self) -> None:
+        _post(self.client, f"{self.base}/admin/pause", {})
+
+    def resume(self, version: int) -> None:
+        _post(self.client, f"{self.base}/admin/resume", {"weight_version": int(version)})
+
+    def register_trainer(self, version: int, batch_size: int, staleness_bound: int) -> None:
+        _post(self.client, f"{self.base}/admin/trainer",
+              {"version": int(version), "batch_size": int(batch_size), "staleness_bound": int(staleness_bound)})
+
+
+def parse_engines(body: Any) -> list[str]:
+    """Engine URLs from ``GET /admin/engines`` (a list, or ``{"engines": [...]}``, of URLs or ``{"url": ...}``)."""
+    items = body.get("engines", body.get("data", [])) if isinstance(body, dict) else body
+    urls = []
+    for item in items or []:
+        url = item if isinstance(item, str) else (item.get("url") or item.get("base_url"))
+        if url:
+            urls.append(str(url).rstrip("/"))
+    if not urls:
+        raise WeightSyncError(f"the gateway lists no engines ({str(body)[:200]}); start one or pass --engine-urls")
+    return urls
+
+
+class DirectControl:
+    """No gateway: pause and continue the engines themselves (in-flight requests stay put, ``in_place``)."""
+
+    def __init__(self, engine_urls: Iterable[str], *, client: httpx.Client | None = None) -> None:
+        self._urls = [u.rstrip("/") for u in engine_urls]
+        self.client = client or httpx.Client(timeout=60.0)
+
+    def engines(self) -> list[str]:
+        return self._urls
+
+    def pause(self) -> None:
+        for url in self._urls:
+            _post(self.client, f"{url}/pause_generation", {"mode": "in_place"})
+
+    def resume(self, version: int) -> None:
+        for url in self._urls:
+            _post(self.client, f"{url}/continue_generation", {})
+
+
+# ----------------------------------------------------------------------------------------- transports
+
+
+def save_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: Any, target: Path, source_dir: Path | None) -> Path:
+    """Write an HF model directory (model.safetensors, config.json, tokenizer files) atomically."""
+    from safetensors.torch import save_file
+
+    target = Path(target)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {name: t.contiguous() for name, t in tensors}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    if source_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(source_dir) / name).exists():
+                shutil.copy2(Path(source_dir) / name, tmp / name)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+@dataclass
+class DiskSync:
+    """Save an HF directory, then ``POST /update_weights_from_disk`` on every engine."""
+
+    sync_dir: Path
+    source_dir: Path  # tokenizer files are copied from here; also the directory of version 0's weights
+    client: httpx.Client
+    keep: int = 2  # sync directories kept on disk (the newest is served, the one before is for rollback)
+
+    def __post_init__(self) -> None:
+        self.sync_dir = Path(self.sync_dir)
+        self.served_path: Path = Path(self.source_dir)
+
+    def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> Path | None:
+        """Collective: gather the weights; rank 0 writes ``sync_dir/v<version>``."""
+        path = self.sync_dir / f"v{version}"
+        tensors = iter_full_tensors(model, to_cpu=True)
+        if info.is_main:
+            save_hf_dir(tensors, model.config, path, self.source_dir)
+            return path
+        for _ in tensors:  # take part in every gather
+            pass
+        return None
+
+    def send(self, engines: list[str], version: int, staged: Path | None, updated: list[str]) -> None:
+        """Rank 0 only. Appends each engine that took the update to ``updated``."""
+        for url in engines:
+            if url in updated:
+                continue
+            _post(self.client, f"{url}/update_weights_from_disk",
+                  {"model_path": str(staged), "weight_version": str(version)}, timeout=600.0)
+            updated.append(url)
+
+    def committed(self, staged: Path | None) -> None:
+        if staged is None:
+            return
+        self.served_path = staged
+        versions = sorted(self.sync_dir.glob("v*"), key=lambda p: p.stat().st_mtime)
+        for old in versions[: max(0, len(versions) - self.keep)]:
+            if old != staged and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+
+    def rollback(self, engines: list[str], old_version: int) -> None:
+        for url in engines:
+            try:
+                _post(self.client, f"{url}/update_weights_from_disk",
+                      {"model_path": str(self.served_path), "weight_version": str(old_version)}, timeout=600.0)
+            except WeightSyncError as exc:
+                log.error("rollback of %s to version %d failed: %s", url, old_version, exc)
+
+
+@dataclass
+class BroadcastSync:
+    """A process group with the engines (trainer rank 0), bucketed ``/update_weights_from_distributed``."""
+
+    client: httpx.Client
+    bucket_bytes: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    backend: str = "gloo"
+    group_name: str = "weight_update_group"
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        self.group = None
+        self._engines: list[str] = []
+
+    def connect(self, engines: list[str]) -> None:
+        """Rank 0 only: form the group with every engine (each engine is one rank after the trainer)."""
+        from agentrl.weight_group import init_weight_group
+
+        port = self.master_port or _free_port()
+        world = 1 + len(engines)
+        errors: list[str] = []
+
+        def join(i: int, url: str) -> None:
+            try:
+                _post(self.client, f"{url}/init_weights_update_group",
+                      {"master_address": self.master_addr, "master_port": port, "rank_offset": 1 + i,
+                       "world_size": world, "group_name": self.group_name, "backend": self.backend},
+                      timeout=self.timeout_s)
+            except WeightSyncError as exc:
+                errors.append(str(exc))
+
+        threads = [threading.Thread(target=join, args=(i, u), daemon=True) for i, u in enumerate(engines)]
+        for t in threads:
+            t.start()
+        try:
+            self.group = init_weight_group(master_address=self.master_addr, master_port=port, rank=0,
+                                           world_size=world, backend=self.backend, group_name=self.group_name,
+                                           timeout_s=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError; report with the engines' side
+            for t in threads:
+                t.join(timeout=5)
+            raise WeightSyncError(f"cannot form the weight-update group: {exc!r}; engines said: {errors}") from exc
+        for t in threads:
+            t.join(timeout=self.timeout_s)
+        if errors:
+            self.group = None
+            raise WeightSyncError(f"engines refused /init_weights_update_group: {errors}")
+        self._engines = list(engines)
+
+    def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> None:
+        return None
+
+    def send_all(self, model: torch.nn.Module, engines: list[str], version: int, info: DistInfo) -> str | None:
+        """Collective over the trainer ranks: gather buckets; rank 0 broadcasts them. Rank 0's error or None."""
+        from agentrl.weight_group import broadcast_tensors
+
+        error: str | None = None
+        if info.is_main and (self.group is None or self._engines != engines):
+            try:
+                self.connect(engines)
+            except WeightSyncError as exc:
+                error = str(exc)
+        error = broadcast_object(error, info)
+        if error:
+            return error
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in iter_full_tensors(model):
+            if not info.is_main:
+                continue
+            bucket.append((name, tensor.to(device)))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                error = error or self._send_bucket(bucket, engines, version, broadcast_tensors)
+                bucket, size = [], 0
+        if info.is_main and bucket:
+            error = error or self._send_bucket(bucket, engines, version, broadcast_tensors)
+        return error
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], engines: list[str], version: int,
+                     broadcast_tensors: Callable) -> str | None:
+        body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                "weight_version": str(version), "flush_cache": True}
+        errors: list[str] = []
+
+        def call(url: str) -> None:
+            try:
+                _post(self.client, f"{url}/update_weights_from_distributed", body, timeout=self.timeout_s)
+            except WeightSyncError as exc:
+                errors.append(str(exc))
+
+        threads = [threading.Thread(target=call, args=(u,), daemon=True) for u in engines]
+        for t in threads:
+            t.start()
+        try:
+            broadcast_tensors(self.group, [t for _, t in bucket], src=0)
+        except Exception as exc:  # noqa: BLE001 - a broken group (engine gone, timeout) must stop this push
+            self.group = None
+            errors.append(f"broadcast failed: {exc!r}")
+        for t in threads:
+            t.join(timeout=self.timeout_s)
+        if errors:
+            self.group = None  # the next attempt forms a fresh group
+            return "; ".join(errors)
+        return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's ``obj`` on every rank (no-op for one process)."""
+    if info.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ------------------------------------------------------------------------------------------- the push
+
+
+@dataclass
+class PushResult:
+    version: int
+    seconds: float
+    bytes: int
+    attempts: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transport: DiskSync | BroadcastSync,
+                 control: Control, retries: int = 3, backoff_s: float = 1.0) -> PushResult:
+    """Collective: pause generation, send ``model``'s weights as ``version``, resume. Raises WeightSyncError.
+
+    On failure after ``retries`` attempts, engines that took the update are rolled back (disk mode),
+    generation resumes on ``version - 1`` and every rank raises the same WeightSyncError.
+    """
+    start = time.perf_counter()
+    engines: list[str] = []
+    error: str | None = None
+    if info.is_main:
+        try:
+            engines = control.engines()
+            control.pause()
+        except WeightSyncError as exc:
+            error = f"cannot pause generation: {exc}"
+    error = broadcast_object(error, info)
+    if error:
+        raise WeightSyncError(error)
+
+    attempts = 0
+    updated: list[str] = []
+    staged = None
+    try:
+        if isinstance(transport, DiskSync):
+            staged = transport.stage(model, version, info)
+        for attempts in range(1, retries + 1):
+            if isinstance(transport, BroadcastSync):
+                error = transport.send_all(model, engines, version, info)
+            elif info.is_main:
+                try:
+                    transport.send(engines, version, staged, updated)
+                    error = None
+                except WeightSyncError as exc:
+                    error = str(exc)
+            error = broadcast_object(error, info)
+            if error is None:
+                break
+            log.warning("weight push v%d attempt %d/%d failed: %s", version, attempts, retries, error)
+            if attempts < retries:
+                time.sleep(backoff_s * attempts)
+    finally:
+        if info.is_main:
+            if error is not None and isinstance(transport, DiskSync) and updated:
+                transport.rollback(updated, version - 1)
+            try:
+                control.resume(version if error is None else version - 1)
+            except WeightSyncError as exc:
+                error = error or f"weights pushed but generation could not be resumed: {exc}"
+        error = broadcast_object(error, info)
+    if error is not None:
+        raise WeightSyncError(
+            f"weight push of version {version} failed after {attempts} attempt(s): {error}. The engines keep "
+            f"serving version {version - 1}; the current batch was not acknowledged."
+        )
+    if isinstance(transport, DiskSync) and info.is_main:
+        transport.committed(staged)
+    from trainer.model import weight_bytes
+
+    return PushResult(version, time.perf_counter() - start, weight_bytes(model), attempts)
