@@ -90,6 +90,8 @@ class ChatTemplate:
         if self.eos_token_id is not None:
             stops.add(self.eos_token_id)
         self.stop_token_ids: list[int] = sorted(stops)
+        self._end_of_turn_text = self._added_token_text(self.end_of_turn_ids[0])
+        self.splits_at_end_of_turn = self._detect_split()
 
     # ------------------------------------------------------------------------------------ rendering
 
@@ -111,8 +113,7 @@ class ChatTemplate:
         return text
 
     def _ids(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> list[int]:
-        text = self._apply(messages, tools, generation_prompt)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encode(self._apply(messages, tools, generation_prompt))
 
     def render_text(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> str:
         """The prompt text of a root turn (with the generation prompt)."""
@@ -154,6 +155,32 @@ class ChatTemplate:
             return [self.eos_token_id]
         raise ValueError("cannot find the chat template's end-of-turn token (no special token after a reply, no EOS)")
 
+    def _added_token_text(self, token: int) -> str | None:
+        added = self.tokenizer.added_tokens_decoder.get(token)
+        return None if added is None else str(added.content)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _detect_split(self) -> bool:
+        """True if text after an end-of-turn token tokenizes the same on its own as inside the whole text.
+
+        Holds for tokenizers that cut added tokens out before BPE and add no prefix at the start of the
+        input (SmolLM2's); then a continuation's delta is the tokens of the text after the parent's
+        end-of-turn, and the long rendered history never has to be tokenized again.
+        """
+        if self._end_of_turn_text is None:
+            return False
+        history = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": " Hello, how can I help?"}]
+        new = [{"role": "user", "content": "  two leading spaces\n\nand a blank line"}]
+        before = self._apply(history, None, False)
+        after = self._apply([*history, *new], None, True)
+        cut = before.rfind(self._end_of_turn_text)
+        if cut < 0 or not after.startswith(before):
+            return False
+        cut += len(self._end_of_turn_text)
+        return self._encode(after) == self._encode(after[:cut]) + self._encode(after[cut:])
+
     # ------------------------------------------------------------------------------------ stitching
 
     def _turn_end(self, ids: Sequence[int]) -> int:
@@ -178,6 +205,17 @@ class ChatTemplate:
         """``(end-of-turn token, tokens after it up to the generation prompt)`` for ``new_messages``."""
         reasons: list[str] = []
         for prefix in (self._stand_in(history), list(history)):
+            if self.splits_at_end_of_turn and self._end_of_turn_text is not None:
+                before_text = self._apply(prefix, tools, False)
+                after_text = self._apply([*prefix, *new_messages], tools, True)
+                cut = before_text.rfind(self._end_of_turn_text)
+                if not after_text.startswith(before_text):
+                    reasons.append("prefix_mismatch")
+                elif cut < 0:
+                    reasons.append("no_end_of_turn")
+                else:
+                    return self.end_of_turn_ids[0], self._encode(after_text[cut + len(self._end_of_turn_text) :])
+                continue
             before = self._ids(prefix, tools, False)
             after = self._ids([*prefix, *new_messages], tools, True)
             if after[: len(before)] != before:

@@ -44,9 +44,17 @@ def tiny_tok(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_tok: PreTrainedTokenizerBase) -> ChatTemplate:
-    return ChatTemplate(tiny_tok)
+def _template(tok: PreTrainedTokenizerBase, path: str) -> ChatTemplate:
+    template = ChatTemplate(tok)
+    assert template.splits_at_end_of_turn  # SmolLM2's tokenizer: the delta is cut out of the text
+    if path == "token_diff":  # the general path, for tokenizers where that does not hold
+        template.splits_at_end_of_turn = False
+    return template
+
+
+@pytest.fixture(scope="module", params=["text_split", "token_diff"])
+def tiny(tiny_tok: PreTrainedTokenizerBase, request: pytest.FixtureRequest) -> ChatTemplate:
+    return _template(tiny_tok, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +62,9 @@ def smol_tok() -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
 
 
-@pytest.fixture(scope="module")
-def smol(smol_tok: PreTrainedTokenizerBase) -> ChatTemplate:
-    return ChatTemplate(smol_tok)
+@pytest.fixture(scope="module", params=["text_split", "token_diff"])
+def smol(smol_tok: PreTrainedTokenizerBase, request: pytest.FixtureRequest) -> ChatTemplate:
+    return _template(smol_tok, request.param)
 
 
 def encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -231,10 +239,11 @@ def test_hermes_keeps_the_system_prompt_and_maps_developer(smol: ChatTemplate) -
 # ------------------------------------------------------------------------- a template that rewrites history
 
 
-def test_think_stripping_template_keeps_the_parents_real_tokens(tiny_tok: PreTrainedTokenizerBase) -> None:
+@pytest.mark.parametrize("path", ["text_split", "token_diff"])
+def test_think_stripping_template_keeps_the_parents_real_tokens(tiny_tok: PreTrainedTokenizerBase, path: str) -> None:
     tok = copy.copy(tiny_tok)
     tok.chat_template = THINK_STRIPPING_TEMPLATE
-    template = ChatTemplate(tok)
+    template = _template(tok, path)
     convo = Conversation(template, tok, None)
     convo.turn([{"role": "user", "content": "Hi"}], "<think>\nThe user greets me.\n</think>\nHello!")
     parent_full = list(convo.full)
@@ -269,11 +278,13 @@ def test_drift_when_the_output_does_not_tokenize_canonically(tiny: ChatTemplate,
     assert a == b
 
 
-def test_template_that_cannot_be_cut_raises(tiny_tok: PreTrainedTokenizerBase) -> None:
+@pytest.mark.parametrize("path", ["text_split", "token_diff"])
+def test_template_that_cannot_be_cut_raises(tiny_tok: PreTrainedTokenizerBase, path: str) -> None:
     tok = copy.copy(tiny_tok)
     # the first line depends on the number of messages: no rendering is a prefix of a longer one
     tok.chat_template = "{{ messages | length }}\n" + TOOL_CHATML_TEMPLATE
     template = ChatTemplate(tok)
+    template.splits_at_end_of_turn = path == "text_split"
     history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     with pytest.raises(TemplateDriftError) as info:
         template.continuation(history, [{"role": "user", "content": "x"}], None, [IM_END])
