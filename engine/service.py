@@ -1,0 +1,296 @@
+"""The engine service: the model, its scheduler, and the operations behind each HTTP route.
+
+Routes (engine/server.py) parse the wire body, call one method here and turn the result into JSON. Errors:
+
+    InvalidRequest (engine.sampling)   -> 400 {"error": {"message": ...}}      bad /generate input
+    WeightUpdateError (engine.weights) -> 400 {"success": false, "message": ...}  refused weight update
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agentrl.weight_group import WeightGroup, broadcast_tensors, destroy_weight_group, init_weight_group
+from engine.config import EngineSettings
+from engine.models import resolve_model
+from engine.sampling import InvalidRequest, SamplingParams
+from engine.scheduler import Request, Scheduler, Snapshot
+from engine.weights import WeightUpdateError, check_names_and_shapes, load_from_disk, parse_manifest
+
+log = logging.getLogger("agentrl.engine")
+
+ENGINE_VERSION = "agentrl-embedded-0.1"
+
+
+@dataclass
+class GenerateInput:
+    """A validated /generate request."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str
+    stream: bool
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    return_text_in_logprobs: bool
+
+
+def parse_weight_version(value: Any) -> int | None:
+    """SGLang sends the version as a string; the embedded engine keeps integers."""
+    if value is None:
+        return None
+    try:
+        return int(str(value))
+    except ValueError as exc:
+        raise WeightUpdateError(f"weight_version {value!r}: the embedded engine uses integer versions, e.g. \"3\"") from exc
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        path = resolve_model(settings.model)
+        self.model_path = str(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        device = torch.device(settings.device)
+        # sdpa masks left padding correctly here; tests check logprob parity with a plain forward pass.
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        self.model = model.to(device).eval()
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.context_length = int(settings.context_length or self.model.config.max_position_embeddings)
+        self.scheduler = Scheduler(
+            self.model, self.tokenizer, max_running_requests=settings.max_running_requests,
+            context_length=self.context_length,
+        )
+        self.groups: dict[str, WeightGroup] = {}
+        self._update_lock = asyncio.Lock()  # one weight update at a time
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        for group in self.groups.values():
+            destroy_weight_group(group)
+
+    @property
+    def weight_version(self) -> str:
+        return str(self.scheduler.version)
+
+    # ----- generation -----
+
+    def parse_generate(self, body) -> GenerateInput:
+        if (body.input_ids is None) == (body.text is None):
+            raise InvalidRequest("give exactly one of input_ids (token ids) or text")
+        if body.text is not None:
+            input_ids = self.tokenizer.encode(body.text)
+        else:
+            input_ids = body.input_ids
+            if input_ids and isinstance(input_ids[0], list):
+                raise InvalidRequest("batched input_ids are not supported by the embedded engine; send one request per prompt")
+        if not input_ids:
+            raise InvalidRequest("the prompt is empty: input_ids must hold at least one token id")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"input_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        params = SamplingParams.parse(body.sampling_params, vocab_size=self.vocab_size)
+        if len(input_ids) >= self.context_length:
+            raise InvalidRequest(
+                f"The input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
+            )
+        if len(input_ids) + params.max_new_tokens > self.context_length:
+            raise InvalidRequest(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens: "
+                f"{len(input_ids)} prompt tokens + max_new_tokens {params.max_new_tokens}. Reduce max_new_tokens "
+                f"to at most {self.context_length - len(input_ids)}."
+            )
+        top = body.top_logprobs_num or 0
+        if not 0 <= top <= 100:
+            raise InvalidRequest(f"top_logprobs_num must be in [0, 100], got {top}")
+        start = -1 if body.logprob_start_len is None else body.logprob_start_len
+        if start < -1 or start >= len(input_ids):
+            raise InvalidRequest(f"logprob_start_len must be -1 or a prompt position in [0, {len(input_ids)}), got {start}")
+        return GenerateInput(
+            input_ids=list(input_ids),
+            params=params,
+            rid=body.rid or uuid.uuid4().hex,
+            stream=bool(body.stream),
+            return_logprob=bool(body.return_logprob),
+            logprob_start_len=start,
+            top_logprobs_num=top if body.return_logprob else 0,
+            return_text_in_logprobs=bool(body.return_text_in_logprobs),
+        )
+
+    async def generate(self, inp: GenerateInput, is_disconnected=None) -> AsyncIterator[dict[str, Any]]:
+        """Yield response dicts: one at the end, or (stream) one per new token, each cumulative."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Snapshot] = asyncio.Queue()
+        req = Request(
+            rid=inp.rid,
+            input_ids=inp.input_ids,
+            params=inp.params,
+            on_update=lambda snap: loop.call_soon_threadsafe(queue.put_nowait, snap),
+            stream=inp.stream,
+            return_logprob=inp.return_logprob,
+            top_logprobs_num=inp.top_logprobs_num,
+            input_logprobs=inp.return_logprob and inp.logprob_start_len >= 0,
+        )
+        self.scheduler.submit(req)
+        finished = False
+        try:
+            while not finished:
+                try:
+                    snap = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except TimeoutError:
+                    if is_disconnected is not None and await is_disconnected():
+                        return
+                    continue
+                while not queue.empty():  # cumulative snapshots: only the newest matters
+                    snap = queue.get_nowait()
+                finished = snap.finish_reason is not None
+                yield self.to_json(inp, snap)
+        finally:
+            if not finished:  # client went away: free the batch slot
+                self.scheduler.control("abort", request=req, message="client disconnected")
+
+    def to_json(self, inp: GenerateInput, snap: Snapshot) -> dict[str, Any]:
+        reason = snap.finish_reason
+        params = inp.params
+        ids = snap.output_ids
+        matched = reason.get("matched") if reason else None
+        if isinstance(matched, int) and not params.no_stop_trim and ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        if isinstance(matched, str):
+            pos = text.find(matched)
+            if pos != -1:
+                text = text[: pos + len(matched)] if params.no_stop_trim else text[:pos]
+        meta: dict[str, Any] = {
+            "id": inp.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(inp.input_ids),
+            "completion_tokens": len(snap.output_ids),
+            "cached_tokens": 0,
+            "weight_version": str(snap.weight_version),
+        }
+        if inp.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, self._token_text(tok, inp)] for lp, tok in zip(snap.logprobs, snap.output_ids)
+            ]
+            prompt = snap.input_logprobs[inp.logprob_start_len :] if inp.logprob_start_len >= 0 else []
+            meta["input_token_logprobs"] = [
+                [lp, tok, self._token_text(tok, inp)]
+                for lp, tok in zip(prompt, inp.input_ids[inp.logprob_start_len :] if prompt else [])
+            ]
+            if inp.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = [
+                    [[lp, tok, self._token_text(tok, inp)] for lp, tok in row] for row in snap.top_logprobs
+                ]
+        if snap.e2e_latency is not None:
+            meta["e2e_latency"] = snap.e2e_latency
+        return {"text": text, "output_ids": snap.output_ids, "meta_info": meta}
+
+    def _token_text(self, token: int, inp: GenerateInput) -> str | None:
+        return self.tokenizer.decode([token]) if inp.return_text_in_logprobs else None
+
+    # ----- control -----
+
+    async def pause(self, mode: str) -> None:
+        await asyncio.wrap_future(self.scheduler.control("pause", mode=mode))
+
+    async def resume(self) -> None:
+        await asyncio.wrap_future(self.scheduler.control("continue"))
+
+    async def abort(self, rid: str | None, abort_all: bool) -> None:
+        await asyncio.wrap_future(self.scheduler.control("abort", rid=rid, abort_all=abort_all))
+
+    # ----- weights -----
+
+    async def update_from_disk(self, model_path: str, *, weight_version: Any, abort_all: bool) -> int:
+        version = parse_weight_version(weight_version)
+        async with self._update_lock:
+            started = time.perf_counter()
+            tensors = await asyncio.to_thread(load_from_disk, self.model, model_path)
+            new = await asyncio.wrap_future(self.scheduler.swap_weights(tensors, version=version, abort_running=abort_all))
+            log.warning("weights from %s -> version %s in %.2fs", model_path, new, time.perf_counter() - started)
+            return new
+
+    async def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                         group_name: str, backend: str) -> None:
+        if group_name in self.groups:
+            raise WeightUpdateError(f"weight update group {group_name!r} exists; destroy it first")
+        if backend == "nccl" and self.settings.device != "cuda":
+            raise WeightUpdateError("backend 'nccl' needs the engine on --device cuda; use backend 'gloo' on CPU")
+        try:
+            group = await asyncio.to_thread(
+                init_weight_group, master_address=master_address, master_port=master_port, rank=rank_offset,
+                world_size=world_size, backend=backend, group_name=group_name,
+            )
+        except (ValueError, RuntimeError, OSError) as exc:  # bad arguments, rendezvous timeout, port errors
+            raise WeightUpdateError(f"could not join weight update group {group_name!r}: {exc}") from exc
+        self.groups[group_name] = group
+
+    def destroy_group(self, group_name: str) -> None:
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            raise WeightUpdateError(f"no weight update group {group_name!r}")
+        destroy_weight_group(group)
+
+    async def update_from_distributed(self, *, names, dtypes, shapes, group_name: str, weight_version: Any,
+                                      abort_all: bool) -> int:
+        group = self.groups.get(group_name)
+        if group is None:
+            raise WeightUpdateError(f"no weight update group {group_name!r}: call /init_weights_update_group first")
+        manifest = parse_manifest(names, dtypes, shapes)
+        version = parse_weight_version(weight_version)
+        async with self._update_lock:
+            refusal: WeightUpdateError | None = None
+            try:
+                check_names_and_shapes(self.model, {n: s for n, _, s in manifest}, complete=False)
+            except WeightUpdateError as exc:
+                refusal = exc  # still receive the bucket below, so that the sender's broadcast completes
+            buffers = [torch.empty(shape, dtype=dtype, device=group.device) for _, dtype, shape in manifest]
+            try:
+                await asyncio.to_thread(broadcast_tensors, group, buffers, 0)
+            except RuntimeError as exc:
+                raise WeightUpdateError(f"broadcast on group {group_name!r} failed: {exc}") from exc
+            if refusal is not None:
+                raise refusal
+            tensors = {name: buf for (name, _, _), buf in zip(manifest, buffers)}
+            return await asyncio.wrap_future(
+                self.scheduler.swap_weights(tensors, version=version, abort_running=abort_all)
+            )
+
+    # ----- info -----
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        state = {**self.scheduler.stats.as_dict(), **self.scheduler.counts(), "paused": self.scheduler.paused}
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "device": self.settings.device,
+            "context_length": self.context_length,
+            "max_running_requests": self.settings.max_running_requests,
+            "max_req_input_len": self.context_length - 1,
+            "weight_version": self.weight_version,
+            "version": ENGINE_VERSION,
+            "internal_states": [state],
+        }

@@ -1,0 +1,75 @@
+"""Engine tests talk HTTP to a real `python -m agentrl engine --model tiny` process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from tests.conftest import REPO, free_port
+
+
+@contextmanager
+def engine_process(*extra: str, startup_timeout: float = 120.0) -> Iterator[str]:
+    """Start the engine on a free port, wait for /health, yield its base URL; terminate it afterwards."""
+    port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would block the engine
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl", "engine", "--model", "tiny", "--port", str(port), *extra],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"engine exited with {proc.returncode}:\n{log.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("engine did not become healthy in time")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def engine_url() -> Iterator[str]:
+    with engine_process() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    """The same tiny model in this process, for reference forward passes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def reference_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
+    """log p(output[k] | prompt + output[:k]) from one plain forward pass over prompt + output."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + output])).logits[0]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return [logprobs[len(prompt) - 1 + k, tok].item() for k, tok in enumerate(output)]
