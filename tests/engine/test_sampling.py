@@ -1,0 +1,83 @@
+"""The sampler and sampling-parameter validation, as pure functions (no server)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampling import InvalidRequest, SamplingParams, sample
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+
+
+def draw(params: SamplingParams, n: int, logits: torch.Tensor = LOGITS) -> tuple[torch.Tensor, dict[int, float]]:
+    gen = params.generator()
+    counts = torch.zeros(logits.shape[1])
+    logprob_of = {}
+    for _ in range(n):
+        tokens, logprobs, _ = sample(logits, [params], [gen])
+        counts[tokens[0]] += 1
+        logprob_of[int(tokens[0])] = float(logprobs[0])
+    return counts / n, logprob_of
+
+
+def test_defaults_follow_sglang():
+    p = SamplingParams.parse({}, vocab_size=10)
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (128, 1.0, 1.0, -1, 0.0)
+    assert SamplingParams.parse({"temperature": None, "top_k": None}, vocab_size=10).temperature == 1.0
+    assert SamplingParams.parse({"stop": "x"}, vocab_size=10).stop == ["x"]
+
+
+@pytest.mark.parametrize("raw", [
+    {"temperature": -1}, {"temperature": True}, {"temperature": float("nan")}, {"top_p": 1.5}, {"top_k": -2},
+    {"min_p": 2}, {"max_new_tokens": "5"}, {"stop": [1]}, {"stop_token_ids": [10]}, {"ignore_eos": "yes"},
+    {"sampling_seed": 1.5}, {"unknown": 1}, [1, 2],
+])
+def test_bad_params_are_refused_with_the_key_named(raw):
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams.parse(raw, vocab_size=10)
+    key = next(iter(raw)) if isinstance(raw, dict) else "sampling_params"
+    assert key in str(info.value)
+
+
+def test_temperature_one_logprobs_are_the_model_logsoftmax():
+    freqs, logprob_of = draw(SamplingParams(temperature=1.0, sampling_seed=0), 800)
+    expected = torch.log_softmax(LOGITS[0], -1)
+    for token, lp in logprob_of.items():
+        assert lp == pytest.approx(expected[token].item(), abs=1e-6)
+    assert torch.allclose(freqs, expected.exp(), atol=0.06)
+
+
+def test_top_k_and_top_p_logprobs_are_renormalised_over_the_support():
+    freqs, logprob_of = draw(SamplingParams(temperature=0.5, top_k=2, sampling_seed=0), 300)
+    support = torch.log_softmax(LOGITS[0, :2] / 0.5, -1)
+    assert set(logprob_of) <= {0, 1}
+    for token, lp in logprob_of.items():
+        assert lp == pytest.approx(support[token].item(), abs=1e-6)
+    # top_p: the smallest prefix whose mass reaches top_p; p = [.561, .206, .125, ...], so 0.7 keeps two
+    probs = torch.softmax(LOGITS[0], -1)
+    freqs, logprob_of = draw(SamplingParams(top_p=0.7, sampling_seed=1), 300)
+    assert set(logprob_of) == {0, 1}
+    kept = probs[:2] / probs[:2].sum()
+    for token, lp in logprob_of.items():
+        assert lp == pytest.approx(math.log(kept[token].item()), abs=1e-5)
+
+
+def test_greedy_reports_the_temperature_one_logprob():
+    tokens, logprobs, _ = sample(LOGITS, [SamplingParams(temperature=0)], [SamplingParams().generator()])
+    assert int(tokens[0]) == 0
+    assert float(logprobs[0]) == pytest.approx(torch.log_softmax(LOGITS[0], -1)[0].item(), abs=1e-6)
+
+
+def test_rows_are_independent_and_seeded():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, sampling_seed=5), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8, top_k=5, sampling_seed=9)]
+    first = sample(logits, params, [p.generator() for p in params])[0]
+    again = sample(logits, params, [p.generator() for p in params])[0]
+    alone = sample(logits[:1], params[:1], [params[0].generator()])[0]
+    assert first.tolist() == again.tolist()
+    assert first[0] == alone[0]  # a row's draw does not depend on the other rows
+    assert first[1] == logits[1].argmax()
