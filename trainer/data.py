@@ -22,6 +22,8 @@ from agentrl.trajectory import Row, decode_batch, discounted_returns
 
 log = logging.getLogger(__name__)
 
+LEASE_HEADER = "X-Agentrl-Lease-Id"  # as agentrl.trajectory.LEASE_HEADER (the gateway's lease route)
+
 
 class GatewayError(RuntimeError):
     """The gateway refused a lease or ack, or could not be reached; the message says which and why."""
@@ -68,13 +70,13 @@ class LeaseClient:
 
 
 def parse_lease(body: bytes, headers: Any = None) -> Lease | None:
-    """Decode a lease response: the lease id comes from the ``X-Lease-Id`` header or the batch meta."""
+    """Decode a lease response: the lease id comes from the ``X-Agentrl-Lease-Id`` header or the batch meta."""
     rows, meta = decode_batch(body)
-    lease_id = (headers or {}).get("x-lease-id") or meta.get("lease_id")
+    lease_id = (headers or {}).get(LEASE_HEADER.lower()) or meta.get("lease_id")
     if not rows and not lease_id:
         return None
     if not lease_id:
-        raise GatewayError("the gateway sent a batch without a lease id (header X-Lease-Id or meta.lease_id)")
+        raise GatewayError(f"the gateway sent a batch without a lease id (header {LEASE_HEADER} or meta.lease_id)")
     return Lease(lease_id=str(lease_id), rows=rows, meta=meta, raw=bytes(body))
 
 

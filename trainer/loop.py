@@ -22,7 +22,7 @@ from agentrl.trajectory import decode_batch
 from trainer import checkpoint
 from agentrl.settings import SettingsError
 from trainer.config import TrainerSettings
-from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, drop_duplicates, parse_lease
+from trainer.data import LEASE_HEADER, GatewayError, Lease, LeaseClient, SeenRows, drop_duplicates, parse_lease
 from trainer.model import DistInfo, init_distributed, load_model
 from trainer.step import train_step
 from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, broadcast_object,
@@ -139,7 +139,7 @@ def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: Dist
         return None
     raw, lease_id = payload
     if info.is_main:
-        return parse_lease(raw, {"x-lease-id": lease_id})
+        return parse_lease(raw, {LEASE_HEADER.lower(): lease_id})
     rows, meta = decode_batch(raw)
     return Lease(lease_id=lease_id, rows=rows, meta=meta, raw=raw)
 

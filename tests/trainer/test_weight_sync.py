@@ -1,0 +1,98 @@
+"""Weight sync against a real engine process: logprob agreement, disk and broadcast pushes, refusal."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.trainer.conftest import engine_generate, engine_version, trainer_logprobs
+from tests.trainer.helpers import synthetic_rows
+from trainer.config import TrainerSettings
+from trainer.model import load_model
+from trainer.step import train_step
+from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, WeightSyncError, push_weights
+
+PROMPT = [1, 9690, 198, 2683, 314, 253, 1345, 30, 2, 198, 1, 520, 9531, 198]
+GAP = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, dist_info):
+    return load_model(tiny_model_dir)
+
+
+def _train_a_step(model, dist_info, seed):
+    """A real GRPO step, plus weight noise so that even greedy outputs of a random tiny model change."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    settings = TrainerSettings(engine_urls=["unused"], micro_batch_tokens=4096, max_grad_norm=0)
+    train_step(model, optimizer, synthetic_rows(n_groups=2, group_size=3, seed=seed), settings, dist_info, version=0)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def _assert_engine_serves(model, url, version):
+    assert engine_version(url) == version
+    out = engine_generate(url, PROMPT, 12, seed=3)
+    assert out["version"] == version
+    gap = (trainer_logprobs(model, PROMPT, out["output_ids"]) - torch.tensor(out["logprobs"])).abs().max().item()
+    assert gap < GAP, f"engine-vs-trainer logprob gap {gap:.2e} at version {version}"
+
+
+def test_logprob_gap_at_the_same_version(model, trainer_engine):
+    # the engine starts on the tiny model's weights at version 0, as does the trainer
+    _assert_engine_serves(model, trainer_engine, 0)
+
+
+@pytest.mark.parametrize("mode", ["disk", "broadcast"])
+def test_push_changes_outputs_bumps_version_and_matches_trainer(mode, model, trainer_engine, dist_info, tmp_path,
+                                                                tiny_model_dir):
+    before_version = engine_version(trainer_engine)
+    before = engine_generate(trainer_engine, PROMPT, 12, temperature=0.0)["output_ids"]
+    _train_a_step(model, dist_info, seed=len(mode))
+    client = httpx.Client(timeout=120)
+    if mode == "disk":
+        transport = DiskSync(sync_dir=tmp_path / "sync", source_dir=tiny_model_dir, client=client)
+    else:
+        transport = BroadcastSync(client=client, bucket_bytes=2 * 2**20)  # several buckets
+    version = before_version + 1
+    result = push_weights(model, version, info=dist_info, transport=transport,
+                          control=DirectControl([trainer_engine], client=client))
+    assert result.attempts == 1 and result.bytes > 10 * 2**20
+    after = engine_generate(trainer_engine, PROMPT, 12, temperature=0.0)["output_ids"]
+    assert after != before
+    _assert_engine_serves(model, trainer_engine, version)
+    if mode == "broadcast":  # a second push reuses the group
+        _train_a_step(model, dist_info, seed=7)
+        push_weights(model, version + 1, info=dist_info, transport=transport,
+                     control=DirectControl([trainer_engine], client=client))
+        _assert_engine_serves(model, trainer_engine, version + 1)
+
+
+def test_refused_update_retries_then_stops_and_the_old_version_keeps_serving(model, trainer_engine, dist_info,
+                                                                            tmp_path, tiny_model_dir):
+    """Two engines, one refuses (404): retried, then rolled back and resumed on the old version."""
+    old = engine_version(trainer_engine)
+    old_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    client = httpx.Client(timeout=120)
+    transport = DiskSync(sync_dir=tmp_path / "sync", source_dir=tiny_model_dir, client=client)
+    push_weights(model, old + 1, info=dist_info, transport=transport,  # the served copy is on disk
+                 control=DirectControl([trainer_engine], client=client))
+    old += 1
+
+    class TwoEngines(DirectControl):
+        def engines(self) -> list[str]:
+            return [trainer_engine, trainer_engine + "/no-such-engine"]
+
+    _train_a_step(model, dist_info, seed=11)
+    with pytest.raises(WeightSyncError, match=f"version {old + 1} failed after 2 attempt.*keep serving version {old}"):
+        push_weights(model, old + 1, info=dist_info, transport=transport, retries=2, backoff_s=0.1,
+                     control=TwoEngines([trainer_engine], client=client))
+    # the engine that took the new weights was rolled back: old version, old weights
+    assert engine_version(trainer_engine) == old
+    new_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(old_weights)
+    _assert_engine_serves(model, trainer_engine, old)
+    model.load_state_dict(new_weights)
