@@ -91,17 +91,15 @@ class GroupCommitWriter:
 
     async def _run(self) -> None:
         while True:
-            await self._wake.wait()
             if not self._queue:
-                self._wake.clear()
                 if self._closing:
                     return
+                self._wake.clear()
+                await self._wake.wait()
                 continue
             if self._delay_s > 0 and len(self._queue) < self._max_rows:
                 await asyncio.sleep(self._delay_s)
             batch = self._take_batch()
-            if not self._queue:
-                self._wake.clear()
             try:
                 await self._commit(batch)
             except BaseException as exc:  # the writer must outlive any one batch; its callers get the error

@@ -1,14 +1,24 @@
-"""Store fixtures: every store test runs on SQLite (tmp_path) and on the machine's PostgreSQL + Redis."""
+"""Store fixtures: every store test runs on SQLite (tmp_path) and on the machine's PostgreSQL + Redis.
+
+Creating and dropping a PostgreSQL database costs seconds on this machine, so the parametrised ``store``
+tests share one migrated database for the whole run and empty its tables before each test; tests that
+need a fresh database (migrations, two processes) take the shared ``pg_url`` fixture instead.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from gateway.store import Store
-from tests.conftest import REDIS_URL
+from gateway.store.migrate import upgrade_sync
+from tests.conftest import PG_ADMIN_URL, REDIS_URL
 
 
 @dataclass(frozen=True)
@@ -22,13 +32,48 @@ class Backend:
         return await Store.open(self.db_url, redis_url=self.redis_url, redis_prefix=self.redis_prefix, **kwargs)  # type: ignore[arg-type]
 
 
+async def _pg_admin(sql: str, url: str = PG_ADMIN_URL) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def shared_pg_url() -> Iterator[str]:
+    """One migrated PostgreSQL database for all store tests of the run (dropped at the end)."""
+    asyncpg = pytest.importorskip("asyncpg")
+    name = "agentrl_store_" + uuid.uuid4().hex[:12]
+    try:
+        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncpg.PostgresError) as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
+    url = f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+    upgrade_sync(url)
+    yield url
+    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated SQLite file, copied for each test (cheaper than migrating every time)."""
+    path = tmp_path_factory.mktemp("store-template") / "template.db"
+    upgrade_sync(f"sqlite+aiosqlite:///{path}")
+    return path
+
+
 @pytest.fixture(params=["sqlite", pytest.param("pg_redis", marks=pytest.mark.services)])
-def backend(request: pytest.FixtureRequest, tmp_path) -> Backend:
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
     if request.param == "sqlite":
+        shutil.copy(request.getfixturevalue("sqlite_template"), tmp_path / "store.db")
         return Backend("sqlite", f"sqlite+aiosqlite:///{tmp_path}/store.db", None, "agentrl:")
-    pg_url = request.getfixturevalue("pg_url")
+    url: str = request.getfixturevalue("shared_pg_url")
+    asyncio.run(_pg_admin("TRUNCATE reward_events, interactions, sessions", url.replace("+asyncpg", "")))
     prefix = request.getfixturevalue("redis_prefix")
-    return Backend("pg_redis", pg_url, REDIS_URL, prefix)
+    return Backend("pg_redis", url, REDIS_URL, prefix)
 
 
 @pytest.fixture

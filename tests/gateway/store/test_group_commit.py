@@ -1,0 +1,104 @@
+"""Group commit: concurrent callers share transactions; a failure touches only its own callers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.store import Conflict, InvalidValue, NotFound, Store
+from tests.gateway.store.helpers import make_turn
+
+
+async def test_concurrent_calls_are_batched(store: Store) -> None:
+    sessions = [await store.create_session() for _ in range(8)]
+    before = store.commit_stats
+    calls = [
+        store.record_interactions([make_turn(f"c{s_i}-{k}", s.id, None, prompt=[k, k + 1], output=[k + 2])])
+        for s_i, s in enumerate(sessions)
+        for k in range(25)
+    ]
+    await asyncio.gather(*calls)
+    stats = store.commit_stats
+    transactions = stats.transactions - before.transactions
+    assert stats.calls - before.calls == 200 and stats.rows - before.rows == 200
+    assert transactions < 200 / 4, f"expected batching, got {transactions} transactions for 200 calls"
+    assert stats.max_batch_calls > 1
+    for s in sessions:
+        assert len(await store.session_interactions(session_id=s.id)) == 25
+
+
+async def test_failure_fails_only_its_callers_and_leaves_no_partial_rows(store: Store) -> None:
+    s = await store.create_session()
+    finished = await store.create_session()
+    await store.finish_session(session_id=finished.id)
+    await store.record_interactions([make_turn("p0", s.id, None, prompt=[1], output=[2])])
+
+    good = [store.record_interactions([make_turn(f"ok{k}", s.id, "p0", prompt=[k], output=[k])]) for k in range(10)]
+    # one call of two rows whose second row points at an unknown parent: neither row may land
+    half_bad = store.record_interactions([
+        make_turn("hb-a", s.id, "p0", prompt=[1], output=[1]),
+        make_turn("hb-b", s.id, "ghost", prompt=[1], output=[1]),
+    ])
+    into_finished = store.record_interactions([make_turn("fin", finished.id, None, prompt=[1], output=[1])])
+    # passes the checks but cannot be serialised: fails inside the transaction -> batch retried one by one
+    unserialisable = make_turn("js", s.id, "p0", prompt=[1], output=[1])
+    unserialisable.request = {"messages": [], "bad": object()}
+    results = await asyncio.gather(*good, half_bad, into_finished, store.record_interactions([unserialisable]),
+                                   return_exceptions=True)
+    assert results[:10] == [None] * 10
+    assert isinstance(results[10], NotFound)
+    assert isinstance(results[11], Conflict)
+    assert isinstance(results[12], InvalidValue)
+
+    ids = {t.id for t in await store.session_interactions(session_id=s.id)}
+    assert ids == {"p0"} | {f"ok{k}" for k in range(10)}
+    assert await store.session_interactions(session_id=finished.id) == []
+    assert store.commit_stats.failed_calls >= 3
+
+
+async def test_parent_and_child_in_one_batch(store: Store) -> None:
+    """A child queued right behind its parent (same batch) is accepted; one behind a failed parent is not."""
+    s = await store.create_session()
+    parent = make_turn("pb0", s.id, None, prompt=[1], output=[2])
+    child = make_turn("pb1", s.id, "pb0", prompt=[3], output=[4])
+    bad_parent = make_turn("pb0", s.id, None, prompt=[1], output=[2])  # duplicate id of `parent`
+    orphan = make_turn("pb2", s.id, "nothing", prompt=[3], output=[4])
+    results = await asyncio.gather(
+        store.record_interactions([parent]),
+        store.record_interactions([child]),
+        store.record_interactions([bad_parent]),
+        store.record_interactions([orphan]),
+        return_exceptions=True,
+    )
+    assert results[0] is None and results[1] is None
+    assert isinstance(results[2], Conflict) and isinstance(results[3], NotFound)
+    assert await store.full_sequence(interaction_id="pb1") == [1, 2, 3, 4]
+
+
+async def test_close_flushes_pending(backend) -> None:
+    store = await backend.open()
+    s = await store.create_session()
+    pending = [asyncio.ensure_future(
+        store.record_interactions([make_turn(f"cl{k}", s.id, None, prompt=[k], output=[k])])) for k in range(20)]
+    await asyncio.sleep(0)
+    await store.close()
+    await asyncio.gather(*pending)
+    reopened = await backend.open()
+    try:
+        assert len(await reopened.session_interactions(session_id=s.id)) == 20
+    finally:
+        await reopened.close()
+
+
+@pytest.mark.parametrize("delay_s", [0.002])
+async def test_commit_delay_still_commits(backend, delay_s: float) -> None:
+    store = await backend.open(commit_delay_s=delay_s, max_batch_rows=16)
+    try:
+        s = await store.create_session()
+        await asyncio.gather(*[
+            store.record_interactions([make_turn(f"d{k}", s.id, None, prompt=[k], output=[k])]) for k in range(40)])
+        stats = store.commit_stats
+        assert stats.rows == 40 and stats.max_batch_calls <= 16 and stats.transactions >= 3
+    finally:
+        await store.close()
