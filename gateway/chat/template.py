@@ -17,6 +17,7 @@ take the rest. Templates without tool support get tools in the Hermes format (:m
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ Tools = Sequence[Mapping[str, Any]] | None
 _PROBE_FN = "agentrl_probe_function"
 _PROBE_CALL_FN = "agentrl_probe_call"
 _PROBE_TEXT = "agentrl probe reply"
+SEGMENT_CACHE_SIZE = 4096  # turns' token ids kept (a turn of a few hundred tokens: a few MB in all)
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError)
 
 
@@ -92,6 +94,9 @@ class ChatTemplate:
         self.stop_token_ids: list[int] = sorted(stops)
         self._end_of_turn_text = self._added_token_text(self.end_of_turn_ids[0])
         self.splits_at_end_of_turn = self._detect_split()
+        # Turns repeat from request to request (system prompt and tools, then every earlier turn), so with
+        # a tokenizer that splits at end-of-turn each turn's text is tokenized once and then looked up.
+        self._segment_ids = functools.lru_cache(maxsize=SEGMENT_CACHE_SIZE)(self._encode_tuple)
 
     # ------------------------------------------------------------------------------------ rendering
 
@@ -113,7 +118,21 @@ class ChatTemplate:
         return text
 
     def _ids(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> list[int]:
-        return self._encode(self._apply(messages, tools, generation_prompt))
+        return self._tokens(self._apply(messages, tools, generation_prompt))
+
+    def _tokens(self, text: str) -> list[int]:
+        """``encode(text)``, turn by turn through the segment cache when the tokenizer allows it."""
+        eot = self._end_of_turn_text
+        if not self.splits_at_end_of_turn or eot is None:
+            return self._encode(text)
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            cut = text.find(eot, start)
+            end = len(text) if cut < 0 else cut + len(eot)
+            ids.extend(self._segment_ids(text[start:end]))
+            start = end
+        return ids
 
     def render_text(self, messages: Sequence[Mapping[str, Any]], tools: Tools = None) -> str:
         """The prompt text of a root turn (with the generation prompt)."""
@@ -161,6 +180,9 @@ class ChatTemplate:
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_tuple(self, text: str) -> tuple[int, ...]:
+        return tuple(self._encode(text))
 
     def _detect_split(self) -> bool:
         """True if text after an end-of-turn token tokenizes the same on its own as inside the whole text.
@@ -214,7 +236,7 @@ class ChatTemplate:
                 elif cut < 0:
                     reasons.append("no_end_of_turn")
                 else:
-                    return self.end_of_turn_ids[0], self._encode(after_text[cut + len(self._end_of_turn_text) :])
+                    return self.end_of_turn_ids[0], self._tokens(after_text[cut + len(self._end_of_turn_text) :])
                 continue
             before = self._ids(prefix, tools, False)
             after = self._ids([*prefix, *new_messages], tools, True)
