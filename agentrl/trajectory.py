@@ -361,6 +361,8 @@ def export_session(turns: Sequence[Turn], *, mode: str = "concat", **kwargs: Any
 
 # ------------------------------------------------------------------------------------- binary batches
 
+MEDIA_TYPE = "application/vnd.agentrl.trajectories"  # content type of GET /v1/trajectories
+LEASE_HEADER = "X-Agentrl-Lease-Id"  # the lease id, also in the batch's meta["lease_id"]
 MAGIC = b"AGRLTRJ1"
 FORMAT_VERSION = 1
 _PREFIX = struct.Struct("<8sIIQ")  # magic, format version, reserved (0), header length

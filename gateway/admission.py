@@ -15,8 +15,9 @@ AdmissionKind = Literal["session", "implicit_episode"]
 
 
 class Admission(Protocol):
-    async def check(self, *, kind: AdmissionKind) -> None:
-        """Return if a new session/episode may start; raise ``Overloaded`` if not."""
+    async def check(self, *, kind: AdmissionKind, metadata: dict[str, Any] | None = None) -> None:
+        """Return if a new session/episode may start; raise ``Overloaded`` if not (``metadata`` of a new
+        session: eval sessions do not count against the staleness budget)."""
 
     def update_trainer(self, status: dict[str, Any]) -> None:
         """The trainer's ``{"version", "batch_size", "staleness_bound"}``, as posted to /admin/trainer."""
@@ -29,7 +30,7 @@ class AlwaysAdmit:
     def __init__(self) -> None:
         self.trainer: dict[str, Any] | None = None
 
-    async def check(self, *, kind: AdmissionKind) -> None:
+    async def check(self, *, kind: AdmissionKind, metadata: dict[str, Any] | None = None) -> None:
         return None
 
     def update_trainer(self, status: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ ROUTER_MODULES: list[str] = [
     "gateway.routes.rewards",
     "gateway.routes.admin",
     "gateway.routes.health",
+    "gateway.routes.trajectories",
 ]
 
 SESSION_PREFIX = "/sessions/{session_id}"  # the same OpenAI routes, bound to one session by URL

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -59,7 +60,9 @@ async def trainer(request: Request) -> JSONResponse:
     await _admin(request)
     body = await read_json(request, TrainerStatus)
     admission = services(request).admission
-    admission.update_trainer(body.model_dump(include={"version", "batch_size", "staleness_bound"}))
+    applied = admission.update_trainer(body.model_dump(include={"version", "batch_size", "staleness_bound"}))
+    if inspect.isawaitable(applied):  # the staleness hook writes the state to the shared store
+        await applied
     return JSONResponse(admission.status())
 
 

@@ -26,7 +26,7 @@ async def create_session(request: Request) -> JSONResponse:
     svc = services(request)
     require_admin(await caller(request))
     body = await read_json(request, SessionCreate, allow_empty=True)
-    await svc.admission.check(kind="session")
+    await svc.admission.check(kind="session", metadata=body.metadata or {})
     try:
         record = await svc.store.create_session(group_id=body.group_id, task_id=body.task_id,
                                                 metadata=body.metadata or {})

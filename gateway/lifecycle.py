@@ -1,0 +1,471 @@
+"""Session lifecycle and group readiness: from recorded sessions to queued GRPO groups.
+
+A background loop (one per gateway; with Redis, one leader among replicas) does, every ``tick_s``:
+
+1. **Idle finish.** An active session idle for ``idle_timeout_s`` that has at least one reward (on a turn
+   or on the session) and no turn in flight is finished.
+2. **Readiness.** Non-eval sessions that are active or finished are grouped by ``group_id`` and cut, in
+   creation order, into groups of the target size: ``metadata.group_size`` of the group's first session
+   if set, else 1 for a session created without a group id (its group id is its own id), else
+   ``group_size``. A group is ready when it is full and all of its sessions are finished with no turn in
+   flight. A group whose first session is older than ``group_timeout_s`` goes out with the sessions that
+   have finished (a smaller group, ``complete: false``); its still-active sessions are marked abandoned.
+   A finished session with a turn still in flight is left out of a group until that turn has ended, so
+   that one slow turn never blocks the queue.
+3. **Export.** The group's sessions are marked consumed (compare-and-set from finished: from then on a
+   reward for them answers 409, and no other replica exports them), their turn trees are exported with
+   :mod:`agentrl.trajectory` (concat or individual), and the group is put on the trajectory queue as one
+   entry. Sessions that yield no rows give their staleness budget back.
+4. **Staleness upkeep.** Held-back stale groups are re-queued if admissible again or dropped after
+   ``stale_max_age_s`` (their budget is given back).
+
+Eval sessions (``metadata.eval``) are never exported (they still finish on idle).
+
+:class:`TrajectoryService` is what the routes call: lease a batch, ack, stats; :class:`InFlight` tracks
+turns in flight per session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import typing
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from agentrl.settings import SettingsError
+from agentrl.trajectory import (
+    EXPORT_MODES,
+    FORMAT_VERSION,
+    REWARD_MODES,
+    Row,
+    encode_batch,
+    export_session,
+    merge_batches,
+    stable_id,
+    turn_from_interaction,
+)
+from gateway import errors
+from gateway.queue import QueuedGroup, RedisQueue, SqlQueue, TrajectoryQueue, lease_meta
+from gateway.staleness import StalenessControl
+from gateway.store import SessionRecord, Store
+from gateway.store import errors as store_errors
+
+log = logging.getLogger("agentrl.gateway.lifecycle")
+ENV_PREFIX = "AGENTRL_GATEWAY_"
+
+
+@dataclass
+class ExportSettings:
+    """Settings of export, leasing and staleness (read from the gateway's settings by field name)."""
+
+    group_size: int = field(default=4, metadata={"help": "sessions per GRPO group (metadata.group_size overrides)"})
+    export_mode: str = field(default="concat", metadata={"help": "concat (row per leaf) or individual (row per turn)"})
+    gamma: float = field(default=1.0, metadata={"help": "discount along each root-to-leaf path"})
+    reward_mode: str = field(default="discounted", metadata={"help": "row reward: discounted (return of turn 0) or last"})
+    idle_timeout_s: float = field(default=300.0, metadata={"help": "finish an idle session with a reward after this"})
+    group_timeout_s: float = field(default=900.0, metadata={"help": "send an incomplete group after this"})
+    lease_timeout_s: float = field(default=300.0, metadata={"help": "an unacknowledged lease returns to the queue after this"})
+    stale_max_age_s: float = field(default=600.0, metadata={"help": "drop held-back stale groups after this"})
+    max_lease_groups: int = field(default=1024, metadata={"help": "largest max_groups of one lease"})
+    max_wait_s: float = field(default=300.0, metadata={"help": "largest wait_s of one lease"})
+    retry_after_s: float = field(default=2.0, metadata={"help": "Retry-After of a 429 at the staleness limit"})
+    tick_s: float = field(default=0.5, metadata={"help": "how often the lifecycle loop runs"})
+
+    def validate(self) -> None:
+        if self.export_mode not in EXPORT_MODES:
+            raise ValueError(f"export_mode {self.export_mode!r}: use one of {', '.join(EXPORT_MODES)}")
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"reward_mode {self.reward_mode!r}: use one of {', '.join(REWARD_MODES)}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma {self.gamma} must be within [0, 1]")
+        if self.group_size < 1 or self.max_lease_groups < 1:
+            raise ValueError("group_size and max_lease_groups must be >= 1")
+        for name in ("idle_timeout_s", "group_timeout_s", "lease_timeout_s", "stale_max_age_s", "tick_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @classmethod
+    def from_settings(cls, settings: Any, environ: Mapping[str, str] | None = None) -> ExportSettings:
+        """Each field from the gateway's settings object if it has one of that name, else from the
+        environment variable ``AGENTRL_GATEWAY_<FIELD>`` (e.g. ``AGENTRL_GATEWAY_GROUP_SIZE=8``), else
+        the default. Raises SettingsError with the variable's name for a malformed value."""
+        env = os.environ if environ is None else environ
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = ENV_PREFIX + f.name.upper()
+            if hasattr(settings, f.name):
+                values[f.name] = getattr(settings, f.name)
+            elif var in env:
+                kind = hints[f.name]
+                try:
+                    values[f.name] = kind(env[var])
+                except ValueError:
+                    raise SettingsError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
+        out = cls(**values)
+        try:
+            out.validate()
+        except ValueError as exc:
+            raise SettingsError(f"export settings: {exc} (set it with {ENV_PREFIX}<FIELD>)") from exc
+        return out
+
+
+@dataclass
+class ExportStats:
+    """Counters since start-up (this process)."""
+
+    idle_finished: int = 0
+    groups_exported: int = 0
+    groups_partial: int = 0
+    rows_exported: int = 0
+    sessions_exported: int = 0
+    sessions_abandoned: int = 0
+    sessions_empty: int = 0
+    sessions_failed: int = 0
+    stale_groups_dropped: int = 0
+    stale_rows_dropped: int = 0
+    stale_groups_requeued: int = 0
+    leases: int = 0
+    groups_leased: int = 0
+    groups_redelivered: int = 0
+    acks: int = 0
+    groups_acked: int = 0
+    ticks: int = 0
+    tick_errors: int = 0
+
+
+class InFlight:
+    """Turns in flight per session, so that lifecycle decisions never cut a turn off.
+
+    The generation path wraps each engine call in ``async with inflight.track(session_id)``. With Redis,
+    entries are shared between replicas (a sorted set per session, scored by expiry, so a crashed replica's
+    entries age out after ``ttl_s``); otherwise they live in this process."""
+
+    def __init__(self, redis: Any | None = None, *, prefix: str = "agentrl:", ttl_s: float = 3600.0) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self._local: dict[str, int] = defaultdict(int)
+
+    def _key(self, session_id: str) -> str:
+        return f"{self.prefix}inflight:{session_id}"
+
+    @asynccontextmanager
+    async def track(self, session_id: str) -> AsyncIterator[None]:
+        self._local[session_id] += 1
+        member = uuid.uuid4().hex
+        if self.redis is not None:
+            await self.redis.zadd(self._key(session_id), {member: time.time() + self.ttl_s})
+        try:
+            yield
+        finally:
+            self._local[session_id] -= 1
+            if not self._local[session_id]:
+                del self._local[session_id]
+            if self.redis is not None:
+                await self.redis.zrem(self._key(session_id), member)
+
+    async def busy(self, session_ids: Sequence[str]) -> set[str]:
+        """The sessions among ``session_ids`` that have a turn in flight."""
+        out = {s for s in session_ids if self._local.get(s)}
+        if self.redis is not None and session_ids:
+            now = time.time()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for s in session_ids:
+                    pipe.zcount(self._key(s), now, "+inf")
+                counts = await pipe.execute()
+            out |= {s for s, n in zip(session_ids, counts) if n}
+        return out
+
+
+class StalenessAdmission:
+    """The gateway's admission hook (``gateway.admission.Admission``) backed by :class:`StalenessControl`."""
+
+    def __init__(self, service: TrajectoryService) -> None:
+        self.service = service
+        self._pending: list[asyncio.Future[Any]] = []
+        self._state: dict[str, Any] | None = None
+
+    async def _settle(self) -> None:
+        while self._pending:
+            await self._pending.pop(0)
+
+    async def check(self, *, kind: str, metadata: dict[str, Any] | None = None) -> None:
+        await self._settle()
+        await self.service.staleness.admit(is_eval=bool(metadata and metadata.get("eval") is True))
+
+    def update_trainer(self, status: dict[str, Any]) -> asyncio.Future[Any]:
+        """Register the trainer / move its version. Returns an awaitable; callers that do not await it
+        still have it applied before the next admission check."""
+        task = asyncio.ensure_future(self._configure(status))
+        self._pending.append(task)
+        return task
+
+    async def _configure(self, status: dict[str, Any]) -> None:
+        state = await self.service.configure_trainer(
+            version=int(status["version"]), batch_size=int(status["batch_size"]),
+            staleness_bound=int(status["staleness_bound"]), group_size=status.get("group_size"))
+        self._state = state.as_dict()
+
+    def status(self) -> dict[str, Any]:
+        return {"policy": "staleness", "trainer": self._state}
+
+
+class TrajectoryService:
+    """Export loop + queue + staleness: what the trajectory routes and the admin hook call."""
+
+    LEADER_TTL_MS = 10_000
+
+    def __init__(self, store: Store, settings: ExportSettings, *, inflight: InFlight | None = None) -> None:
+        settings.validate()
+        self.store = store
+        self.settings = settings
+        self.stats = ExportStats()
+        redis = store.redis
+        self.inflight = inflight or InFlight(redis, prefix=store.redis_prefix)
+        self.queue: TrajectoryQueue = (
+            RedisQueue(redis, prefix=store.redis_prefix, lease_timeout_s=settings.lease_timeout_s)
+            if redis is not None
+            else SqlQueue(store.engine, lease_timeout_s=settings.lease_timeout_s)
+        )
+        self.staleness = StalenessControl(store.engine, default_group_size=settings.group_size,
+                                          retry_after_s=settings.retry_after_s)
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._has_reward: set[str] = set()
+        self._leader_id = uuid.uuid4().hex
+        self._leader_key = f"{store.redis_prefix}lifecycle:leader"
+
+    # ------------------------------------------------------------------------------- the loop
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="agentrl-lifecycle")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await self.queue.close()
+
+    def notify(self) -> None:
+        """Run the loop now (e.g. after a session finished) instead of at the next tick."""
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive a database hiccup; the error is logged
+                self.stats.tick_errors += 1
+                log.exception("lifecycle tick failed")
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+            except TimeoutError:
+                pass
+
+    async def _is_leader(self) -> bool:
+        redis = self.store.redis
+        if redis is None:
+            return True
+        key, me = self._leader_key, self._leader_id.encode()
+        if await redis.set(key, me, nx=True, px=self.LEADER_TTL_MS):
+            return True
+        if await redis.get(key) == me:
+            await redis.pexpire(key, self.LEADER_TTL_MS)
+            return True
+        return False
+
+    async def tick(self, now: float | None = None) -> None:
+        """One pass of idle finish, readiness/export and staleness upkeep."""
+        if not await self._is_leader():
+            return
+        self.stats.ticks += 1
+        now = time.time() if now is None else now
+        live = await self.store.list_sessions(status=["active", "finished"])
+        busy = await self.inflight.busy([s.id for s in live])
+        live = [await self._maybe_finish_idle(s, now, busy) for s in live]
+        groups: dict[str, list[SessionRecord]] = defaultdict(list)
+        for s in live:
+            if not s.is_eval:
+                groups[s.group_id].append(s)
+        for members in groups.values():
+            members.sort(key=lambda s: (s.created_at, s.id))
+            size = self._target_size(members[0])
+            for start in range(0, len(members), size):
+                await self._consider(members[start : start + size], size, now, busy)
+        await self._upkeep()
+
+    async def _maybe_finish_idle(self, s: SessionRecord, now: float, busy: set[str]) -> SessionRecord:
+        if s.status != "active" or now - s.last_activity_at < self.settings.idle_timeout_s or s.id in busy:
+            return s
+        if not await self._rewarded(s):
+            return s
+        try:
+            done = await self.store.finish_session(session_id=s.id)
+        except store_errors.NotFound:
+            return s
+        self.stats.idle_finished += 1
+        return done
+
+    async def _rewarded(self, s: SessionRecord) -> bool:
+        if s.reward is not None or s.id in self._has_reward:
+            return True
+        if await self.store.reward_history(session_id=s.id):
+            self._has_reward.add(s.id)  # rewards are replaced, never removed
+            return True
+        return False
+
+    def _target_size(self, first: SessionRecord) -> int:
+        wanted = first.metadata.get("group_size") if isinstance(first.metadata, dict) else None
+        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted >= 1:
+            return wanted
+        return 1 if first.group_id == first.id else self.settings.group_size
+
+    async def _consider(self, chunk: list[SessionRecord], size: int, now: float, busy: set[str]) -> None:
+        ready = [s for s in chunk if s.status == "finished" and s.id not in busy]
+        if len(chunk) == size and len(ready) == size:
+            await self._export(ready, complete=True)
+            return
+        if now - chunk[0].created_at < self.settings.group_timeout_s:
+            return
+        abandoned = 0
+        for s in chunk:
+            if s.status == "active" and s.id not in busy:
+                try:
+                    await self.store.set_session_status(session_id=s.id, status="abandoned", expected=["active"])
+                    abandoned += 1
+                except (store_errors.Conflict, store_errors.NotFound):
+                    pass  # it finished (or vanished) meanwhile; the next tick sees it
+        if abandoned:
+            self.stats.sessions_abandoned += abandoned
+            await self.staleness.release(abandoned)
+        if ready:
+            await self._export(ready, complete=False)
+
+    async def _export(self, sessions: list[SessionRecord], *, complete: bool) -> None:
+        claimed: list[SessionRecord] = []
+        for s in sessions:
+            try:
+                claimed.append(await self.store.set_session_status(
+                    session_id=s.id, status="consumed", expected=["finished"]))
+            except (store_errors.Conflict, store_errors.NotFound):
+                continue  # exported by another replica, or changed meanwhile
+        rows: list[Row] = []
+        with_rows: list[str] = []
+        no_rows = 0
+        s_ = self.settings
+        for rec in claimed:
+            try:
+                turns = [turn_from_interaction(i) for i in await self.store.session_interactions(session_id=rec.id)]
+                got = export_session(turns, mode=s_.export_mode, gamma=s_.gamma, reward_mode=s_.reward_mode,
+                                     session_reward=rec.reward, session_id=rec.id, group_id=rec.group_id,
+                                     task_id=rec.task_id)
+            except ValueError:
+                log.exception("session %s has a malformed turn tree; left out of its group", rec.id)
+                self.stats.sessions_failed += 1
+                got = []
+            if got:
+                rows += got
+                with_rows.append(rec.id)
+            else:
+                no_rows += 1
+        if no_rows:
+            self.stats.sessions_empty += no_rows
+            await self.staleness.release(no_rows)
+        if not rows:
+            return
+        group_id = claimed[0].group_id
+        versions = [r.min_version for r in rows if r.min_version >= 0]
+        group = QueuedGroup(
+            group_key=stable_id(group_id, *sorted(with_rows)), group_id=group_id, session_ids=with_rows,
+            payload=encode_batch(rows), n_rows=len(rows), n_tokens=sum(r.num_tokens for r in rows),
+            min_version=min(versions) if versions else -1, complete=complete,
+        )
+        await self.queue.put(group)
+        self.stats.groups_exported += 1
+        self.stats.groups_partial += not complete
+        self.stats.rows_exported += len(rows)
+        self.stats.sessions_exported += len(with_rows)
+
+    async def _upkeep(self) -> None:
+        state = await self.staleness.state()
+        done = await self.queue.maintain(min_version=state.min_version if state else None,
+                                         max_held_s=self.settings.stale_max_age_s)
+        self.stats.stale_groups_requeued += done.requeued
+        self.stats.stale_groups_dropped += done.dropped_groups
+        self.stats.stale_rows_dropped += done.dropped_rows
+        if done.dropped_sessions:
+            await self.staleness.release(done.dropped_sessions)
+
+    # ------------------------------------------------------------------------ for the routes
+
+    def check_lease_args(self, max_groups: int, wait_s: float) -> None:
+        if not 1 <= max_groups <= self.settings.max_lease_groups:
+            raise errors.InvalidRequest(
+                f"max_groups must be between 1 and {self.settings.max_lease_groups}, got {max_groups}",
+                param="max_groups")
+        if not 0.0 <= wait_s <= self.settings.max_wait_s:
+            raise errors.InvalidRequest(
+                f"wait_s must be between 0 and {self.settings.max_wait_s}, got {wait_s}", param="wait_s")
+
+    async def lease_batch(self, max_groups: int, wait_s: float) -> tuple[str, bytes] | None:
+        """``(lease_id, encoded batch)`` of up to ``max_groups`` ready groups, or None after ``wait_s``."""
+        self.check_lease_args(max_groups, wait_s)
+        state = await self.staleness.state()
+        lease = await self.queue.lease(max_groups, wait_s, min_version=state.min_version if state else None)
+        if lease is None:
+            return None
+        self.stats.leases += 1
+        self.stats.groups_leased += len(lease.groups)
+        self.stats.groups_redelivered += sum(g.deliveries > 1 for g in lease.groups)
+        meta = lease_meta(
+            lease, format_version=FORMAT_VERSION, lease_timeout_s=self.settings.lease_timeout_s,
+            export_mode=self.settings.export_mode, gamma=self.settings.gamma,
+            reward_mode=self.settings.reward_mode, trainer=state.as_dict() if state else None,
+        )
+        return lease.id, merge_batches([g.payload for g in lease.groups], meta)
+
+    async def ack(self, lease_id: str) -> int:
+        n = await self.queue.ack(lease_id)
+        self.stats.acks += 1
+        self.stats.groups_acked += n
+        return n
+
+    async def configure_trainer(
+        self, *, version: int, batch_size: int, staleness_bound: int, group_size: int | None = None
+    ) -> Any:
+        """``POST /admin/trainer``: register the trainer or move its version (see gateway.staleness)."""
+        running = await self.store.list_sessions(status=["active", "finished"])
+        queued = await self.queue.counts()
+        pending = sum(not s.is_eval for s in running) + queued.pending_sessions
+        state = await self.staleness.configure(version=version, batch_size=batch_size,
+                                               staleness_bound=staleness_bound, group_size=group_size,
+                                               pending_sessions=pending)
+        self.notify()  # a new bound may re-admit held groups
+        return state
+
+    async def describe(self) -> dict[str, Any]:
+        """Counters, queue depth and the trainer state, for ``GET /v1/trajectories/stats``."""
+        counts = await self.queue.counts()
+        state = await self.staleness.state()
+        return {
+            "stats": asdict(self.stats),
+            "queue": asdict(counts),
+            "trainer": state.as_dict() if state else None,
+            "settings": asdict(self.settings),
+        }

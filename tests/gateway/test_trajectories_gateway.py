@@ -1,0 +1,199 @@
+"""Export and leasing through the real gateway, engine and `openai` SDK (SQLite, and PostgreSQL + Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from agentrl.trajectory import LEASE_HEADER, MEDIA_TYPE, decode_batch
+from gateway.store import Store
+from tests.conftest import REDIS_URL
+
+EXPORT_ENV = {
+    "AGENTRL_GATEWAY_GROUP_SIZE": "4",
+    "AGENTRL_GATEWAY_GAMMA": "0.9",
+    "AGENTRL_GATEWAY_TICK_S": "0.1",
+    "AGENTRL_GATEWAY_LEASE_TIMEOUT_S": "2",
+    "AGENTRL_GATEWAY_RETRY_AFTER_S": "3",
+    "AGENTRL_GATEWAY_STALE_MAX_AGE_S": "600",
+}
+
+
+@pytest.fixture(params=["sqlite", pytest.param("pg+redis", marks=pytest.mark.services)])
+def start_gateway(request, gateway_factory, monkeypatch):
+    """Start a gateway with test export settings on SQLite, or on PostgreSQL + Redis."""
+    for name, value in EXPORT_ENV.items():
+        monkeypatch.setenv(name, value)
+
+    def start(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        if request.param == "sqlite":
+            return gateway_factory()
+        pg_url = request.getfixturevalue("pg_url")
+        return gateway_factory(db=pg_url, redis=REDIS_URL, redis_prefix=request.getfixturevalue("redis_prefix"))
+
+    return start
+
+
+def agent(session: dict) -> openai.OpenAI:
+    return openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0)
+
+
+def two_turns(client: openai.OpenAI, seed: int):
+    """A self-correction episode: ask, then ask again after the (wrong) first answer."""
+    messages = [{"role": "user", "content": f"What is {seed} + 3?"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, seed=seed,
+                                           logprobs=True)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "That is wrong. Try again."}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, seed=seed + 100,
+                                            logprobs=True)
+    return first, second
+
+
+def lease(admin: httpx.Client, max_groups: int = 1, wait_s: float = 15.0):
+    resp = admin.get("/v1/trajectories", params={"max_groups": max_groups, "wait_s": wait_s}, timeout=wait_s + 30)
+    if resp.status_code == 204:
+        return None, None, None
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"] == MEDIA_TYPE
+    rows, meta = decode_batch(resp.content)
+    assert meta["lease_id"] == resp.headers[LEASE_HEADER]
+    return rows, meta, resp.headers[LEASE_HEADER]
+
+
+async def recorded(db: str, session_ids: list[str]) -> dict[str, list]:
+    store = await Store.open(db, migrate=False)
+    try:
+        return {s: await store.session_interactions(session_id=s) for s in session_ids}
+    finally:
+        await store.close()
+
+
+def error_code(resp: httpx.Response) -> str:
+    return resp.json()["error"]["code"]
+
+
+def test_group_of_four_two_turn_sessions_leased_as_one_batch(start_gateway):
+    gw = start_gateway()
+    with gw.admin() as admin:
+        sessions = [gw.create_session(group_id="grp-selfcorrect", task_id=f"task-{i}") for i in range(4)]
+        replies = {}
+        for i, s in enumerate(sessions):
+            first, second = two_turns(agent(s), seed=i)
+            replies[s["session_id"]] = (first, second)
+            for resp, reward in ((first, 0.0), (second, 1.0)):
+                r = admin.post("/reward", json={"response_id": resp.id, "reward": reward})
+                assert r.status_code == 200, r.text
+        # Three finished sessions are not a group of four: nothing to lease yet.
+        for s in sessions[:3]:
+            assert admin.post(f"/v1/sessions/{s['session_id']}/finish").status_code == 200
+        assert lease(admin, wait_s=0.5)[0] is None
+        assert admin.post(f"/v1/sessions/{sessions[3]['session_id']}/finish").status_code == 200
+
+        rows, meta, lease_id = lease(admin)
+        ids = [s["session_id"] for s in sessions]
+        assert sorted(r.session_id for r in rows) == sorted(ids)
+        assert [g["group_id"] for g in meta["groups"]] == ["grp-selfcorrect"]
+        assert meta["groups"][0]["complete"] and sorted(meta["groups"][0]["session_ids"]) == sorted(ids)
+
+        tree = asyncio.run(recorded(gw.db, ids))
+        for row in rows:
+            root, child = tree[row.session_id]
+            first, second = replies[row.session_id]
+            assert (root.id, child.id, child.parent_id) == (first.id, second.id, first.id)
+            # The row is the recorded tokens, concatenated root to leaf, exactly.
+            expected = root.prompt_ids + root.output_ids + child.prompt_ids + child.output_ids
+            assert row.input_ids.tolist() == expected
+            gen = np.flatnonzero(row.loss_mask)
+            assert row.input_ids[gen].tolist() == root.output_ids + child.output_ids
+            np.testing.assert_array_equal(row.logprobs[gen],
+                                          np.float32(root.output_logprobs + child.output_logprobs))
+            assert row.versions[gen].tolist() == root.output_versions + child.output_versions
+            assert row.turn_ids[gen].tolist() == [0] * len(root.output_ids) + [1] * len(child.output_ids)
+            assert set(row.turn_ids[row.loss_mask == 0].tolist()) == {-1}
+            # ... and what the agent was told: token counts and logprobs of each answer.
+            for turn, resp in ((0, first), (1, second)):
+                mine = row.logprobs[row.turn_ids == turn]
+                assert len(mine) == resp.usage.completion_tokens
+                np.testing.assert_allclose(mine, [t.logprob for t in resp.choices[0].logprobs.content], atol=1e-6)
+            np.testing.assert_allclose(row.turn_rewards, [0.0, 1.0])
+            np.testing.assert_allclose(row.turn_returns, [0.9, 1.0])
+            assert row.reward == pytest.approx(0.9) and row.leaf_id == second.id
+            assert row.task_id == f"task-{ids.index(row.session_id)}"
+
+        # Exported sessions are consumed: a reward for them is refused.
+        r = admin.post("/reward", json={"session_id": ids[0], "reward": 1.0})
+        assert r.status_code == 409 and r.json()["error"]["type"] == "conflict_error"
+
+        # Not acknowledged within the lease timeout: the group comes back under a new lease.
+        assert lease(admin, wait_s=0.3)[0] is None
+        time.sleep(2.2)
+        r = admin.post("/v1/trajectories/ack", json={"lease_id": lease_id})
+        assert r.status_code == 409 and error_code(r) == "lease_expired"
+        again, meta2, lease2 = lease(admin, wait_s=5)
+        assert lease2 != lease_id and meta2["groups"][0]["deliveries"] == 2
+        assert sorted(r.row_id for r in again) == sorted(r.row_id for r in rows)  # same ids: dedupable
+        r = admin.post("/v1/trajectories/ack", json={"lease_id": lease2})
+        assert r.status_code == 200 and r.json()["acked_groups"] == 1
+        r = admin.post("/v1/trajectories/ack", json={"lease_id": lease2})
+        assert r.status_code == 409 and error_code(r) == "lease_acked"
+        r = admin.post("/v1/trajectories/ack", json={"lease_id": "lease-unknown"})
+        assert r.status_code == 404
+        time.sleep(2.2)
+        assert lease(admin, wait_s=0.3)[0] is None  # acknowledged: never re-delivered
+
+        for params in ({"max_groups": 0}, {"max_groups": 5000}, {"max_groups": "many"}, {"wait_s": -1}):
+            r = admin.get("/v1/trajectories", params=params)
+            assert r.status_code == 400 and r.json()["error"]["param"] in params, r.text
+        r = admin.post("/v1/trajectories/ack", json={})
+        assert r.status_code == 400
+        stats = admin.get("/v1/trajectories/stats").json()
+        assert stats["stats"]["groups_acked"] == 1 and stats["stats"]["groups_redelivered"] == 1
+    r = httpx.get(gw.base_url + "/v1/trajectories", headers={"Authorization": f"Bearer {gw.agent_key}"})
+    assert r.status_code == 403
+
+
+def test_staleness_budget_429_then_admission_after_version_advances(start_gateway):
+    gw = start_gateway(AGENTRL_GATEWAY_GROUP_SIZE="2", AGENTRL_GATEWAY_IDLE_TIMEOUT_S="0.5")
+    implicit = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.agent_key, max_retries=0)
+    with gw.admin() as admin:
+        r = admin.post("/admin/trainer", json={"version": 0, "batch_size": 1, "staleness_bound": 0})
+        assert r.status_code == 200 and r.json()["trainer"]["limit"] == 2, r.text
+        sessions = [gw.create_session(group_id="g") for _ in range(2)]
+        r = admin.post("/v1/sessions", json={"group_id": "g"})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) == 3
+        assert r.json()["error"]["code"] == "staleness_budget"
+        assert admin.post("/v1/sessions", json={"metadata": {"eval": True}}).status_code == 200
+        # Implicit-mode episodes obey the same budget.
+        with pytest.raises(openai.RateLimitError):
+            implicit.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2)
+        # Run the two admitted sessions to the queue (idle finish after their reward).
+        for s in sessions:
+            reply = agent(s).chat.completions.create(model="tiny", max_tokens=4,
+                                                     messages=[{"role": "user", "content": "1+1?"}])
+            assert admin.post("/reward", json={"response_id": reply.id, "reward": 1.0}).status_code == 200
+        # The trainer stepped: one more batch of budget.
+        r = admin.post("/admin/trainer", json={"version": 1, "batch_size": 1, "staleness_bound": 0})
+        assert r.json()["trainer"]["limit"] == 4
+        gw.create_session(group_id="h")
+        implicit.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert admin.post("/v1/sessions", json={}).status_code == 429
+
+        # The engine's tokens carry version 0 < v - k = 1: the finished group is held back, not leased.
+        assert lease(admin, wait_s=2.5)[0] is None
+        stats = admin.get("/v1/trajectories/stats").json()
+        assert stats["queue"]["held"] == 1 and stats["queue"]["held_rows"] == 2
+        # A trainer that accepts older data (k = 1) gets it.
+        r = admin.post("/admin/trainer", json={"version": 1, "batch_size": 1, "staleness_bound": 1})
+        assert r.status_code == 200
+        rows, meta, lease_id = lease(admin, wait_s=5)
+        assert sorted(r.session_id for r in rows) == sorted(s["session_id"] for s in sessions)
+        assert admin.post("/v1/trajectories/ack", json={"lease_id": lease_id}).status_code == 200
