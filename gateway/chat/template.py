@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from gateway.chat.errors import TemplateDriftError
+from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.hermes import text_of, to_hermes
 
 if TYPE_CHECKING:
@@ -110,9 +110,12 @@ class ChatTemplate:
         else:
             prepared = to_hermes(messages, tools)
             tools_arg = None
-        text = self.tokenizer.apply_chat_template(
-            prepared, tools=tools_arg, add_generation_prompt=generation_prompt, tokenize=False
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                prepared, tools=tools_arg, add_generation_prompt=generation_prompt, tokenize=False
+            )
+        except _TEMPLATE_ERRORS as exc:  # the template refuses the conversation (raise_exception, bad shape)
+            raise ChatFormatError(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
         return text
@@ -195,8 +198,11 @@ class ChatTemplate:
             return False
         history = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": " Hello, how can I help?"}]
         new = [{"role": "user", "content": "  two leading spaces\n\nand a blank line"}]
-        before = self._apply(history, None, False)
-        after = self._apply([*history, *new], None, True)
+        try:
+            before = self._apply(history, None, False)
+            after = self._apply([*history, *new], None, True)
+        except ChatFormatError:
+            return False
         cut = before.rfind(self._end_of_turn_text)
         if cut < 0 or not after.startswith(before):
             return False
@@ -221,38 +227,49 @@ class ChatTemplate:
             assistant["tool_calls"] = history[-1]["tool_calls"]
         return head + [{"role": "user", "content": "."}, assistant]
 
+    def _cut(
+        self, prefix: Sequence[Mapping[str, Any]], new_messages: Sequence[Mapping[str, Any]], tools: Tools
+    ) -> tuple[int, list[int]] | str:
+        """``(end-of-turn token, tokens after it)`` for ``new_messages`` after ``prefix``, or why not."""
+        eot_text = self._end_of_turn_text
+        if self.splits_at_end_of_turn and eot_text is not None:
+            before_text = self._apply(prefix, tools, False)
+            after_text = self._apply([*prefix, *new_messages], tools, True)
+            cut = before_text.rfind(eot_text)
+            if not after_text.startswith(before_text):
+                return "prefix_mismatch"
+            if cut < 0:
+                return "no_end_of_turn"
+            return self.end_of_turn_ids[0], self._tokens(after_text[cut + len(eot_text) :])
+        before = self._ids(prefix, tools, False)
+        after = self._ids([*prefix, *new_messages], tools, True)
+        if after[: len(before)] != before:
+            return "prefix_mismatch"
+        k = self._turn_end(before)
+        if k < 0:
+            return "no_end_of_turn"
+        return before[k], before[k + 1 :] + after[len(before) :]
+
     def _delta(
         self, history: Sequence[Mapping[str, Any]], new_messages: Sequence[Mapping[str, Any]], tools: Tools
     ) -> tuple[int, list[int]]:
-        """``(end-of-turn token, tokens after it up to the generation prompt)`` for ``new_messages``."""
+        """The stand-in first, then the real history; :class:`TemplateDriftError` if neither can be cut."""
         reasons: list[str] = []
-        for prefix in (self._stand_in(history), list(history)):
-            if self.splits_at_end_of_turn and self._end_of_turn_text is not None:
-                before_text = self._apply(prefix, tools, False)
-                after_text = self._apply([*prefix, *new_messages], tools, True)
-                cut = before_text.rfind(self._end_of_turn_text)
-                if not after_text.startswith(before_text):
-                    reasons.append("prefix_mismatch")
-                elif cut < 0:
-                    reasons.append("no_end_of_turn")
-                else:
-                    return self.end_of_turn_ids[0], self._tokens(after_text[cut + len(self._end_of_turn_text) :])
-                continue
-            before = self._ids(prefix, tools, False)
-            after = self._ids([*prefix, *new_messages], tools, True)
-            if after[: len(before)] != before:
-                reasons.append("prefix_mismatch")
-                continue
-            k = self._turn_end(before)
-            if k < 0:
-                reasons.append("no_end_of_turn")
-                continue
-            return before[k], before[k + 1 :] + after[len(before) :]
-        raise TemplateDriftError(
-            "the chat template does not render the new messages as a suffix of the conversation "
-            f"({', '.join(reasons)})",
-            reasons[-1],
-        )
+        try:
+            result = self._cut(self._stand_in(history), new_messages, tools)
+        except ChatFormatError:  # a template may refuse the stand-in (say, it checks the real history)
+            result = "stand_in_refused"
+        if isinstance(result, str):
+            reasons.append(result)
+            result = self._cut(history, new_messages, tools)  # a refusal here is the request's own fault
+        if isinstance(result, str):
+            reasons.append(result)
+            raise TemplateDriftError(
+                "the chat template does not render the new messages as a suffix of the conversation "
+                f"({', '.join(reasons)})",
+                result,
+            )
+        return result
 
     def continuation(
         self,
@@ -265,7 +282,8 @@ class ChatTemplate:
         """Tokens to append after the parent's exact prompt + output tokens.
 
         ``history`` is the parent's messages ending with its returned assistant message; ``new_messages``
-        follow it. ``bridge_ids`` is the end-of-turn token when ``parent_output_ids`` does not end with
+        follow it. Raises :class:`ChatFormatError` if the template refuses the conversation.
+        ``bridge_ids`` is the end-of-turn token when ``parent_output_ids`` does not end with
         one (cut by length, by a stop string, or an engine that drops the stop token); the decision is
         taken on the tokens, not on ``parent_finish_reason`` (a ``stop`` finish covers both a stop token
         and a stop string), which is accepted for logging only. Raises :class:`TemplateDriftError`.

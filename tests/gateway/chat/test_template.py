@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletionMessage
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.models import TOOL_CHATML_TEMPLATE, smollm2_tokenizer_dir
-from gateway.chat import ChatTemplate, TemplateDriftError, parse_tool_calls
+from gateway.chat import ChatFormatError, ChatTemplate, TemplateDriftError, parse_tool_calls
 from gateway.chat.hermes import to_hermes, tools_prompt
 
 IM_START, IM_END, NL = 1, 2, 198  # <|im_start|>, <|im_end|>, "\n" in SmolLM2's vocabulary
@@ -307,3 +307,36 @@ def test_template_that_cannot_be_cut_raises(tiny_tok: PreTrainedTokenizerBase, p
 def test_continuation_needs_an_assistant_parent(tiny: ChatTemplate) -> None:
     with pytest.raises(ValueError, match="assistant"):
         tiny.continuation([{"role": "user", "content": "Hi"}], [{"role": "user", "content": "x"}], None, [IM_END])
+
+
+def test_template_refusal_is_a_format_error(tiny_tok: PreTrainedTokenizerBase) -> None:
+    tok = copy.copy(tiny_tok)
+    tok.chat_template = (
+        "{%- for m in messages -%}{%- if m.role == 'developer' -%}"
+        "{{ raise_exception('developer messages are not supported') }}{%- endif -%}{%- endfor -%}"
+        + TOOL_CHATML_TEMPLATE
+    )
+    template = ChatTemplate(tok)
+    with pytest.raises(ChatFormatError) as info:
+        template.render([{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}])
+    assert info.value.param == "messages"
+    assert "developer messages are not supported" in info.value.message
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(ChatFormatError):
+        template.continuation(history, [{"role": "developer", "content": "x"}], None, [IM_END])
+    # the same template continues ordinary turns
+    assert template.continuation(history, [{"role": "user", "content": "x"}], None, [IM_END]).bridge_ids == []
+
+
+def test_stand_in_refused_falls_back_to_the_real_history(tiny_tok: PreTrainedTokenizerBase) -> None:
+    tok = copy.copy(tiny_tok)
+    # a template that insists the first user message is the real one: the stand-in "." is refused
+    tok.chat_template = (
+        "{%- for m in messages -%}{%- if m.role == 'user' and m.content == '.' -%}"
+        "{{ raise_exception('placeholder') }}{%- endif -%}{%- endfor -%}" + TOOL_CHATML_TEMPLATE
+    )
+    template = ChatTemplate(tok)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    new = [{"role": "user", "content": "x"}]
+    cont = template.continuation(history, new, None, [IM_END])
+    assert tok.decode(cont.delta_ids) == "\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
