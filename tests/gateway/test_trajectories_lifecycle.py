@@ -1,0 +1,164 @@
+"""The lifecycle loop over a real store (SQLite): idle finish, readiness, timeouts, eval, in-flight turns."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from agentrl.trajectory import decode_batch
+from gateway import errors
+from gateway.lifecycle import ExportSettings, StalenessAdmission, TrajectoryService
+from gateway.store import Interaction, Store
+from gateway.store import errors as store_errors
+
+
+def turn(tid: str, sid: str, parent: str | None, *, prompt: list[int], output: list[int],
+         rh: str | None = None, version: int = 0) -> Interaction:
+    return Interaction(
+        id=tid, session_id=sid, parent_id=parent, request={"messages": []},
+        response_message={"role": "assistant", "content": tid}, prompt_ids=prompt, output_ids=output,
+        output_logprobs=[-0.25] * len(output), output_versions=[version] * len(output), finish_reason="stop",
+        chain_hash=f"chain-{tid}", request_hash=rh or f"req-{tid}")
+
+
+@pytest.fixture
+async def service(tmp_path):
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/life.db")
+    svc = TrajectoryService(store, ExportSettings(group_size=2, gamma=0.5, idle_timeout_s=60, group_timeout_s=600,
+                                                  lease_timeout_s=30))
+    yield svc
+    await svc.stop()
+    await store.close()
+
+
+async def session_with_turns(store: Store, group_id: str | None, *, reward: float | None = 1.0, **kw):
+    s = await store.create_session(group_id=group_id, **kw)
+    await store.record_interactions([turn(f"{s.id}-a", s.id, None, prompt=[1, 2], output=[3])])
+    await store.record_interactions([turn(f"{s.id}-b", s.id, f"{s.id}-a", prompt=[4], output=[5, 6])])
+    if reward is not None:
+        await store.set_reward(reward=reward, source="test", interaction_id=f"{s.id}-b")
+    return s
+
+
+async def test_ready_group_is_exported_once_and_consumed(service):
+    store = service.store
+    a = await session_with_turns(store, "g")
+    b = await session_with_turns(store, "g", reward=None)
+    await store.finish_session(session_id=a.id)
+    await service.tick()
+    assert (await service.queue.counts()).ready == 0  # b is still active: the group waits
+    await store.finish_session(session_id=b.id)
+    await service.tick()
+    await service.tick()  # nothing is exported twice
+    assert (await service.queue.counts()).ready == 1
+    lease_id, batch = await service.lease_batch(4, 0.0)
+    rows, meta = decode_batch(batch)
+    assert {r.session_id for r in rows} == {a.id, b.id}
+    by_session = {r.session_id: r for r in rows}
+    assert by_session[a.id].turn_returns.tolist() == [0.5, 1.0]
+    assert by_session[b.id].turn_returns.tolist() == [0.0, 0.0]
+    assert by_session[a.id].input_ids.tolist() == [1, 2, 3, 4, 5, 6]
+    assert meta["groups"][0]["complete"] is True and meta["export_mode"] == "concat"
+    for s in (a, b):
+        assert (await store.get_session(session_id=s.id)).status == "consumed"
+    with pytest.raises(store_errors.Conflict):
+        await store.set_reward(reward=0.0, source="late", session_id=a.id)
+    assert await service.ack(lease_id) == 1
+
+
+async def test_idle_finish_needs_a_reward_and_no_turn_in_flight(service):
+    store = service.store
+    rewarded = await session_with_turns(store, None)  # no group id: a group of one
+    silent = await session_with_turns(store, None, reward=None)
+    busy = await session_with_turns(store, None)
+    later = time.time() + 120
+    async with service.inflight.track(busy.id):
+        await service.tick(now=later)
+        assert (await store.get_session(session_id=busy.id)).status == "active"
+    assert (await store.get_session(session_id=rewarded.id)).status == "consumed"
+    assert (await store.get_session(session_id=silent.id)).status == "active"
+    await service.tick(now=later)
+    assert (await store.get_session(session_id=busy.id)).status == "consumed"
+    assert service.stats.idle_finished == 2 and (await service.queue.counts()).ready == 2
+
+
+async def test_group_timeout_sends_a_smaller_group_and_abandons_the_rest(service):
+    store = service.store
+    done = await session_with_turns(store, "slow")
+    stuck = await session_with_turns(store, "slow", reward=None)
+    await store.finish_session(session_id=done.id)
+    await service.tick()
+    assert (await service.queue.counts()).ready == 0
+    await service.tick(now=time.time() + 601)
+    assert (await store.get_session(session_id=stuck.id)).status == "abandoned"
+    _, batch = await service.lease_batch(1, 0.0)
+    rows, meta = decode_batch(batch)
+    assert [r.session_id for r in rows] == [done.id]
+    assert meta["groups"][0]["complete"] is False
+    assert service.stats.sessions_abandoned == 1 and service.stats.groups_partial == 1
+
+
+async def test_eval_sessions_are_never_exported_and_never_counted(service):
+    store = service.store
+    await service.configure_trainer(version=0, batch_size=1, staleness_bound=0)  # limit 2 sessions
+    admission = StalenessAdmission(service)
+    for _ in range(3):
+        await admission.check(kind="session", metadata={"eval": True})
+    ev = await session_with_turns(store, None, metadata={"eval": True})
+    await store.finish_session(session_id=ev.id)
+    await service.tick()
+    assert (await store.get_session(session_id=ev.id)).status == "finished"
+    assert (await service.queue.counts()).ready == 0
+    await admission.check(kind="session")
+    await admission.check(kind="implicit_episode")
+    with pytest.raises(errors.Overloaded):
+        await admission.check(kind="session", metadata={})
+
+
+async def test_group_size_from_metadata_and_retry_dropped(service):
+    store = service.store
+    sessions = [await store.create_session(group_id="big", metadata={"group_size": 3}) for _ in range(3)]
+    for s in sessions:
+        # The agent retried its first request; only the continued answer is kept.
+        await store.record_interactions([turn(f"{s.id}-r1", s.id, None, prompt=[1], output=[7], rh="same")])
+        await store.record_interactions([turn(f"{s.id}-r2", s.id, None, prompt=[1], output=[8], rh="same")])
+        await store.record_interactions([turn(f"{s.id}-c", s.id, f"{s.id}-r2", prompt=[2], output=[9])])
+        await store.finish_session(session_id=s.id)
+    await service.tick()
+    _, batch = await service.lease_batch(1, 0.0)
+    rows, meta = decode_batch(batch)
+    assert len(meta["groups"][0]["session_ids"]) == 3
+    assert [r.input_ids.tolist() for r in rows] == [[1, 8, 2, 9]] * 3
+
+
+async def test_staleness_releases_budget_of_abandoned_sessions(service):
+    store = service.store
+    await service.configure_trainer(version=0, batch_size=1, staleness_bound=0)
+    admission = StalenessAdmission(service)
+    await admission.check(kind="session")
+    await store.create_session(group_id="x")
+    await admission.check(kind="session")
+    await store.create_session(group_id="x")
+    with pytest.raises(errors.Overloaded):
+        await admission.check(kind="session")
+    await service.tick(now=time.time() + 601)  # both abandoned at the group timeout
+    assert (await service.staleness.state()).admitted == 0
+    await admission.check(kind="session")
+
+
+async def test_lease_waits_without_blocking_the_loop(service):
+    store = service.store
+    service.settings.tick_s = 0.05
+    service.start()
+    waiting = asyncio.create_task(service.lease_batch(1, 5.0))
+    await asyncio.sleep(0.2)
+    s = await session_with_turns(store, None)
+    await store.finish_session(session_id=s.id)
+    lease_id, batch = await asyncio.wait_for(waiting, 5.0)
+    assert decode_batch(batch)[0][0].session_id == s.id
+    with pytest.raises(errors.InvalidRequest):
+        await service.lease_batch(0, 0.0)
+    with pytest.raises(errors.InvalidRequest):
+        await service.lease_batch(1, 1e6)
