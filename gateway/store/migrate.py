@@ -7,6 +7,7 @@ upgrade runs in a worker thread with its own event loop.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 from alembic import command
@@ -14,6 +15,9 @@ from alembic.config import Config
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 HEAD_REVISION_INITIAL = "0001_initial"
+# Alembic keeps its running context in module globals: one upgrade at a time per process. Across
+# processes, env.py takes a PostgreSQL advisory lock (SQLite serialises on its file lock).
+_ALEMBIC_LOCK = threading.Lock()
 
 
 def alembic_config(db_url: str) -> Config:
@@ -28,7 +32,8 @@ def alembic_config(db_url: str) -> Config:
 
 
 def upgrade_sync(db_url: str, revision: str = "head") -> None:
-    command.upgrade(alembic_config(db_url), revision)
+    with _ALEMBIC_LOCK:
+        command.upgrade(alembic_config(db_url), revision)
 
 
 async def upgrade(db_url: str, revision: str = "head") -> None:

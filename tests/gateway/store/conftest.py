@@ -71,7 +71,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
         shutil.copy(request.getfixturevalue("sqlite_template"), tmp_path / "store.db")
         return Backend("sqlite", f"sqlite+aiosqlite:///{tmp_path}/store.db", None, "agentrl:")
     url: str = request.getfixturevalue("shared_pg_url")
-    asyncio.run(_pg_admin("TRUNCATE reward_events, interactions, sessions", url.replace("+asyncpg", "")))
+    asyncio.run(_pg_admin("TRUNCATE reward_events, interactions, sessions CASCADE", url.replace("+asyncpg", "")))
     prefix = request.getfixturevalue("redis_prefix")
     return Backend("pg_redis", url, REDIS_URL, prefix)
 

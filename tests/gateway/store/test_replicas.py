@@ -1,0 +1,119 @@
+"""Two Store instances on one database (+ Redis): what gateway replicas behind one address rely on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.store import Conflict, Store
+from gateway.store.api import hash_key
+from tests.conftest import REDIS_URL
+from tests.gateway.store.helpers import make_turn
+
+
+async def test_two_stores_serve_alternate_turns(backend) -> None:
+    a, b = await backend.open(), await backend.open()
+    try:
+        s = await a.create_session(group_id="g")
+        assert s.api_key is not None
+        assert (await b.get_session_by_key(api_key=s.api_key)).id == s.id
+
+        parent = None
+        full: list[int] = []
+        for k in range(6):  # turns alternate between the replicas
+            here = a if k % 2 == 0 else b
+            if parent is not None:
+                match = await here.find_parent(session_id=s.id, candidates=[(2 * k, f"chain-x{k - 1}"), (0, "nope")])
+                assert match is not None and match.interaction.id == parent
+                assert await here.full_sequence(interaction_id=parent) == full
+            turn = make_turn(f"x{k}", s.id, parent, prompt=[100 + k, 200 + k], output=[300 + k])
+            await here.record_interactions([turn])
+            full += turn.prompt_ids + turn.output_ids
+            parent = turn.id
+        assert await a.full_sequence(interaction_id=parent) == await b.full_sequence(interaction_id=parent) == full
+
+        await b.finish_session(session_id=s.id)  # the other replica sees it at once, cache or not
+        assert (await a.get_session_by_key(api_key=s.api_key)).status == "finished"
+        with pytest.raises(Conflict):
+            await a.record_interactions([make_turn("late", s.id, parent, prompt=[1], output=[2])])
+        await a.set_reward(session_id=s.id, reward=0.75, source="grader")
+        assert (await b.get_session_by_key(api_key=s.api_key)).reward == 0.75
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_concurrent_writers_on_one_session(backend) -> None:
+    """Both replicas record siblings of one parent at the same time: everything lands, nothing twice."""
+    a, b = await backend.open(), await backend.open()
+    try:
+        s = await a.create_session()
+        await a.record_interactions([make_turn("root", s.id, None, prompt=[1], output=[2])])
+        calls = [
+            (a if k % 2 else b).record_interactions([make_turn(f"sib{k}", s.id, "root", prompt=[k], output=[k])])
+            for k in range(30)
+        ]
+        await asyncio.gather(*calls)
+        assert len(await b.session_interactions(session_id=s.id)) == 31
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.services
+async def test_redis_is_rebuildable_from_sql(pg_url: str, redis_prefix: str) -> None:
+    """Wipe every Redis key: lookups fall back to SQL and refill the cache."""
+    store = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        s = await store.create_session()
+        assert s.api_key is not None
+        await store.record_interactions([make_turn("r0", s.id, None, prompt=[1, 2], output=[3])])
+        await store.record_interactions([make_turn("r1", s.id, "r0", prompt=[4], output=[5])])
+        keys = [k async for k in client.scan_iter(match=redis_prefix + "*")]
+        assert {k.decode().split(":")[-2] for k in keys} >= {"skey", "chain", "seq"}
+        await client.delete(*keys)
+
+        fresh = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)  # cold memory too
+        try:
+            assert (await fresh.get_session_by_key(api_key=s.api_key)).id == s.id
+            match = await fresh.find_parent(session_id=s.id, candidates=[(3, "chain-r1"), (1, "chain-r0")])
+            assert match is not None and match.interaction.id == "r1"
+            assert await fresh.full_sequence(interaction_id="r1") == [1, 2, 3, 4, 5]
+        finally:
+            await fresh.close()
+        assert await client.hget(f"{redis_prefix}chain:{s.id}", "chain-r1") == b"r1"
+        assert await client.exists(f"{redis_prefix}skey:{hash_key(s.api_key)}", f"{redis_prefix}seq:r1") == 2
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+@pytest.mark.services
+async def test_session_cache_never_goes_back(pg_url: str, redis_prefix: str) -> None:
+    """A replica that read an old row and writes it to Redis late cannot undo a newer status."""
+    store = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    try:
+        s = await store.create_session()
+        assert s.api_key is not None
+        stale = await store.get_session(session_id=s.id)
+        await store.finish_session(session_id=s.id)
+        assert store._redis is not None
+        await store._redis.put_session(hash_key(s.api_key), stale)  # the late, older write
+        assert (await store.get_session_by_key(api_key=s.api_key)).status == "finished"
+    finally:
+        await store.close()
+
+
+@pytest.mark.services
+async def test_replicas_migrate_concurrently(pg_url: str, redis_prefix: str) -> None:
+    """Two replicas starting together on an empty database: the advisory lock serialises the upgrade."""
+    stores = await asyncio.gather(*[Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix) for _ in range(2)])
+    try:
+        s = await stores[0].create_session()
+        assert (await stores[1].get_session(session_id=s.id)).id == s.id
+    finally:
+        for st in stores:
+            await st.close()
