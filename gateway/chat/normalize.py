@@ -89,6 +89,24 @@ def _validate_tool_calls(calls: object, param: str, seen: set[str]) -> None:
         seen.add(call_id)
 
 
+def _check_unicode(value: object, param: str) -> None:
+    """Reject strings that are not valid Unicode text (lone surrogates from ``\\ud800`` JSON escapes):
+    the tokenizer cannot take them and they have no UTF-8 form to hash."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ChatFormatError(
+                f"text contains an invalid character at position {exc.start} (a lone UTF-16 surrogate)", param
+            ) from exc
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_unicode(item, f"{param}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{param}[{i}]")
+
+
 def validate_tools(tools: object) -> None:
     """Check the request's ``tools`` (``None`` or a list of ``{"type": "function", "function": {...}}``)."""
     if tools is None:
@@ -150,9 +168,9 @@ def validate_messages(messages: object, tools: object = None) -> None:
     """Raise :class:`ChatFormatError` (with the JSON path in ``param``) if the request is malformed.
 
     Checks: a non-empty list of objects; known roles; content present and text-only where required
-    (system, developer, user, tool); an assistant message has content or tool calls; well-formed
-    tool calls with unique ids; every ``tool`` message answers a tool call of an earlier assistant
-    message; well-formed ``tools``.
+    (system, developer, user, tool; an assistant message may have none, as the gateway's own empty
+    replies come back that way); well-formed tool calls with unique ids; every ``tool`` message answers
+    a tool call of an earlier assistant message; well-formed ``tools``; no lone surrogates in any string.
     """
     if not isinstance(messages, list):
         raise ChatFormatError("messages must be a list", "messages", "invalid_type")
@@ -196,6 +214,8 @@ def validate_messages(messages: object, tools: object = None) -> None:
                     f"{mp}.tool_call_id",
                 )
     validate_tools(tools)
+    _check_unicode(messages, "messages")
+    _check_unicode(tools, "tools")
 
 
 # ---------------------------------------------------------------------------------------- normalisation
@@ -275,7 +295,7 @@ def normalize_message(msg: Mapping[str, Any]) -> Message:
 
 def _link(previous: str, msg: Mapping[str, Any]) -> str:
     digest = hashlib.sha256(bytes.fromhex(previous))
-    digest.update(canonical_json(normalize_message(msg)).encode("utf-8"))
+    digest.update(canonical_json(normalize_message(msg)).encode("utf-8", "surrogatepass"))
     return digest.hexdigest()
 
 
@@ -312,7 +332,7 @@ def tools_hash(tools: Sequence[Mapping[str, Any]] | None) -> str:
     chain; the server compares this with the parent's to refuse a parent whose prompt held other tools."""
     if not tools:
         return ""
-    return hashlib.sha256(canonical_json(list(tools)).encode("utf-8")).hexdigest()
+    return hashlib.sha256(canonical_json(list(tools)).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def parent_candidates(messages: Sequence[Mapping[str, Any]]) -> list[tuple[int, str]]:

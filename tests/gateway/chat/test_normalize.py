@@ -277,3 +277,18 @@ def test_tools_hash() -> None:
     ).hexdigest()
     assert tools_hash(TOOLS) == expected
     assert tools_hash(TOOLS) != tools_hash([{"type": "function", "function": {"name": "other"}}])
+
+
+def test_lone_surrogates_are_rejected_with_their_path() -> None:
+    import json
+
+    messages = json.loads('[{"role": "user", "content": [{"type": "text", "text": "ok \\ud800"}]}]')
+    with pytest.raises(ChatFormatError) as info:
+        validate_messages(messages, None)
+    assert info.value.param == "messages[0].content[0].text"
+    tools = json.loads('[{"type": "function", "function": {"name": "f", "description": "\\udfff"}}]')
+    with pytest.raises(ChatFormatError) as info:
+        validate_messages([{"role": "user", "content": "hi"}], tools)
+    assert info.value.param == "tools[0].function.description"
+    # hashing never fails, even on unvalidated input
+    assert len(chain_hash(messages)) == 64
