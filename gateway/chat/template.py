@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,10 @@ Tools = Sequence[Mapping[str, Any]] | None
 _PROBE_FN = "agentrl_probe_function"
 _PROBE_CALL_FN = "agentrl_probe_call"
 _PROBE_TEXT = "agentrl probe reply"
-SEGMENT_CACHE_SIZE = 4096  # turns' token ids kept (a turn of a few hundred tokens: a few MB in all)
+# Turns' token ids kept by the segment cache; longer turns are tokenized every time. Worst case about
+# 2048 x (8192 characters + 4 bytes per token) = ~40 MB; ordinary turns are far smaller.
+SEGMENT_CACHE_SIZE = 2048
+SEGMENT_CACHE_MAX_CHARS = 8192
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError)
 
 
@@ -96,7 +100,7 @@ class ChatTemplate:
         self.splits_at_end_of_turn = self._detect_split()
         # Turns repeat from request to request (system prompt and tools, then every earlier turn), so with
         # a tokenizer that splits at end-of-turn each turn's text is tokenized once and then looked up.
-        self._segment_ids = functools.lru_cache(maxsize=SEGMENT_CACHE_SIZE)(self._encode_tuple)
+        self._segment_ids = functools.lru_cache(maxsize=SEGMENT_CACHE_SIZE)(self._encode_packed)
 
     # ------------------------------------------------------------------------------------ rendering
 
@@ -133,7 +137,10 @@ class ChatTemplate:
         while start < len(text):
             cut = text.find(eot, start)
             end = len(text) if cut < 0 else cut + len(eot)
-            ids.extend(self._segment_ids(text[start:end]))
+            if end - start > SEGMENT_CACHE_MAX_CHARS:
+                ids.extend(self._encode(text[start:end]))
+            else:
+                ids.extend(self._segment_ids(text[start:end]))
             start = end
         return ids
 
@@ -184,8 +191,8 @@ class ChatTemplate:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _encode_tuple(self, text: str) -> tuple[int, ...]:
-        return tuple(self._encode(text))
+    def _encode_packed(self, text: str) -> array[int]:
+        return array("i", self._encode(text))
 
     def _detect_split(self) -> bool:
         """True if text after an end-of-turn token tokenizes the same on its own as inside the whole text.

@@ -340,3 +340,11 @@ def test_stand_in_refused_falls_back_to_the_real_history(tiny_tok: PreTrainedTok
     new = [{"role": "user", "content": "x"}]
     cont = template.continuation(history, new, None, [IM_END])
     assert tok.decode(cont.delta_ids) == "\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_long_turns_bypass_the_segment_cache(tiny: ChatTemplate, tiny_tok: PreTrainedTokenizerBase) -> None:
+    from gateway.chat.template import SEGMENT_CACHE_MAX_CHARS
+
+    long_text = "word " * (SEGMENT_CACHE_MAX_CHARS // 4)
+    messages = [{"role": "user", "content": long_text}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "x"}]
+    assert tiny.render(messages) == reference(tiny_tok, messages, None)
