@@ -60,7 +60,7 @@ from gateway.store.rows import (
     reward_from_row,
     session_from_row,
 )
-from gateway.store.seqcache import SequenceCache
+from gateway.store.seqcache import SequenceCache, TurnCache
 from gateway.store.tree import parents_first, tree_json
 from gateway.store.writer import GroupCommitWriter
 
@@ -111,6 +111,7 @@ class Store:
         max_batch_rows: int,
         commit_delay_s: float,
         seq_cache_tokens: int,
+        turn_cache_size: int,
     ) -> None:
         """Use ``Store.open``."""
         self._engine = engine
@@ -121,6 +122,7 @@ class Store:
         self._redis = redis
         self._redis_prefix = redis_prefix
         self._seqs = SequenceCache(seq_cache_tokens)
+        self._turns = TurnCache(turn_cache_size)
         self._writer = GroupCommitWriter(
             self._write_tx,
             lock_rows=not self._is_sqlite,
@@ -141,6 +143,7 @@ class Store:
         max_batch_rows: int = 256,
         commit_delay_s: float = 0.0,
         seq_cache_tokens: int = 8_000_000,
+        turn_cache_size: int = 4096,
     ) -> Store:
         """Connect, run ``alembic upgrade head`` (unless ``migrate=False``) and start the group-commit writer.
 
@@ -149,7 +152,8 @@ class Store:
         processes on the same database; every key lives under ``redis_prefix``. The writer commits
         everything pending as one transaction as soon as the previous commit ends (so batches grow with
         load), waiting ``commit_delay_s`` first if set, and at most ``max_batch_rows`` rows per
-        transaction. ``seq_cache_tokens`` bounds the in-process cache of full token sequences.
+        transaction. ``seq_cache_tokens`` bounds the in-process cache of full token sequences and
+        ``turn_cache_size`` the cache of recent turns that ``find_parent`` uses with Redis.
         Raises StoreUnavailable when the database or Redis cannot be reached.
         """
         url = make_url(db_url)
@@ -197,6 +201,7 @@ class Store:
             max_batch_rows=max_batch_rows,
             commit_delay_s=commit_delay_s,
             seq_cache_tokens=seq_cache_tokens,
+            turn_cache_size=turn_cache_size,
         )
 
     async def close(self) -> None:
@@ -410,7 +415,11 @@ class Store:
         """The parent of a new turn: the first candidate, in the order given (longest message prefix
         first), whose chain hash is the ``chain_hash`` of a turn of this session. If several turns share
         that hash (retries), the most recent wins. One index probe per candidate (Redis hash, else one
-        indexed SQL query for all candidates); None when nothing matches."""
+        indexed SQL query for all candidates); None when nothing matches.
+
+        With Redis, the longest candidate's hit is served from Redis plus an in-process cache of recent
+        turns, with no SQL; on that path ``interaction.reward`` may lag a reward set via another replica.
+        """
         if not candidates:
             return None
         hashes = [h for _, h in candidates]
@@ -418,7 +427,11 @@ class Store:
             found = await self._redis.chain_lookup(session_id, hashes[:1])
             if found[0] is not None:  # the longest candidate: nothing can beat it
                 try:
-                    return ParentMatch(candidates[0][0], await self.get_interaction(interaction_id=found[0]))
+                    parent = self._turns.get(found[0])
+                    if parent is None:
+                        parent = await self.get_interaction(interaction_id=found[0])
+                        self._turns.put(parent)
+                    return ParentMatch(candidates[0][0], parent)
                 except NotFound:
                     log.warning("redis chain index points at unknown interaction %s; using SQL", found[0])
         i = schema.interactions
@@ -487,6 +500,7 @@ class Store:
         hashes to Redis, before their callers are answered."""
         sequences: list[tuple[str, bytes]] = []
         for it in interactions:
+            self._turns.put(it)
             if it.parent_id is None:
                 parent: bytes | None = b""
             else:
@@ -588,6 +602,8 @@ class Store:
                 )
             )
             event_id = result.inserted_primary_key[0]
+        if interaction_id is not None:
+            self._turns.set_reward(interaction_id, float(reward))
         if updated is not None and self._redis is not None:
             await self._redis.put_session(key_hash, updated)
         return RewardRecord(

@@ -117,3 +117,28 @@ async def test_replicas_migrate_concurrently(pg_url: str, redis_prefix: str) -> 
     finally:
         for st in stores:
             await st.close()
+
+
+@pytest.mark.services
+async def test_hot_path_needs_no_sql_with_redis(pg_url: str, redis_prefix: str) -> None:
+    """Auth, parent lookup and the parent's tokens for the next turn come from Redis and memory."""
+    from sqlalchemy import event
+
+    store = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    try:
+        s = await store.create_session()
+        assert s.api_key is not None
+        await store.record_interactions([make_turn("h0", s.id, None, prompt=[1, 2], output=[3])])
+        statements: list[str] = []
+        listener = lambda _c, _cur, sql, *_a: statements.append(sql)  # noqa: E731
+        event.listen(store.engine.sync_engine, "before_cursor_execute", listener)
+        try:
+            await store.get_session_by_key(api_key=s.api_key)
+            match = await store.find_parent(session_id=s.id, candidates=[(2, "chain-h0")])
+            assert match is not None and match.interaction.id == "h0"
+            assert await store.full_sequence(interaction_id="h0") == [1, 2, 3]
+        finally:
+            event.remove(store.engine.sync_engine, "before_cursor_execute", listener)
+        assert statements == []
+    finally:
+        await store.close()
