@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletionMessage
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.models import TOOL_CHATML_TEMPLATE, smollm2_tokenizer_dir
-from gateway.chat import ChatFormatError, ChatTemplate, TemplateDriftError, parse_tool_calls
+from gateway.chat import ChatFormatError, ChatTemplate, TemplateDriftError, chain_hash, parent_candidates, parse_tool_calls
 from gateway.chat.hermes import to_hermes, tools_prompt
 
 IM_START, IM_END, NL = 1, 2, 198  # <|im_start|>, <|im_end|>, "\n" in SmolLM2's vocabulary
@@ -77,11 +77,9 @@ def reference(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tool
     return ids
 
 
-def returned_message(text: str, tools: Any) -> dict[str, Any]:
-    """The assistant message the gateway returns for model text, as the agent's SDK sends it back."""
-    content, calls = parse_tool_calls(text) if tools else (text, [])
-    message = {"role": "assistant", "content": content, "tool_calls": calls or None}
-    return ChatCompletionMessage.model_validate(message).model_dump()
+def sdk_round_trip(message: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message as an agent's OpenAI SDK sends it back (every optional field, None or not)."""
+    return ChatCompletionMessage.model_validate({**message, "tool_calls": message.get("tool_calls") or None}).model_dump()
 
 
 class Conversation:
@@ -93,11 +91,14 @@ class Conversation:
         self.full: list[int] = []  # parent's prompt + output ... as stored
         self.last_output: list[int] = []
         self.prompts: list[list[int]] = []
+        self.parent_key = ""
 
     def turn(self, new_messages: list[dict[str, Any]], output_text: str, *, ended: bool = True) -> dict[str, Any]:
         if not self.messages:
             prompt = self.template.render(new_messages, self.tools)
         else:
+            # the parent is found by hash: the SDK-dumped reply normalises to what was stored
+            assert parent_candidates([*self.messages, *new_messages])[0] == (len(self.messages), self.parent_key)
             cont = self.template.continuation(
                 self.messages, new_messages, self.tools, self.last_output, "stop" if ended else "length"
             )
@@ -107,7 +108,11 @@ class Conversation:
         self.prompts.append(prompt)
         self.full += prompt + output
         self.last_output = output
-        reply = returned_message(output_text, self.tools)
+        reply = {"role": "assistant", **dict(zip(("content", "tool_calls"), parse_tool_calls(output_text)))}
+        if not self.tools:
+            reply = {"role": "assistant", "content": output_text}
+        self.parent_key = chain_hash([*self.messages, *new_messages, reply])  # as the store keys the turn
+        reply = sdk_round_trip(reply)
         self.messages += [*new_messages, reply]
         return reply
 
