@@ -9,8 +9,11 @@ history differently (one that strips earlier ``<think>`` blocks, say) cannot cha
 
 The delta is cut out of the template by difference: render a short stand-in conversation that ends in an
 assistant turn (same leading system message, same tools, same tool calls as the parent), render it again
-followed by the new messages, check that the first rendering's tokens are a prefix of the second's, and
-take the rest. Templates without tool support get tools in the Hermes format (:mod:`gateway.chat.hermes`).
+followed by the new messages, check that the first rendering is a prefix of the second, and take the rest
+after the stand-in's end-of-turn token. With a tokenizer that splits cleanly at end-of-turn tokens
+(checked at start-up; SmolLM2's does) the cut is made in the text and renderings are tokenized turn by
+turn through a cache; otherwise whole renderings are tokenized and compared token by token.
+Templates without tool support get tools in the Hermes format (:mod:`gateway.chat.hermes`).
 :meth:`ChatTemplate.drift` says whether a re-render of the history would differ from the stitched tokens
 (the server counts it). The algorithm is written out in ``docs/chat.md``.
 """
