@@ -26,10 +26,13 @@ It counts timeouts, crashes and errors for the runner's summary.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import math
 import multiprocessing
+import os
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -184,7 +187,7 @@ class RewardPool:
     """
 
     def __init__(self, *, workers: int = 2, timeout_s: float = 10.0, retries: int = 1, default: float = 0.0,
-                 mp_context: str = "spawn") -> None:
+                 startup_timeout_s: float = 120.0, mp_context: str = "spawn") -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if timeout_s <= 0:
@@ -196,48 +199,66 @@ class RewardPool:
         self.retries = retries
         self.default = default
         self.stats = RewardStats()
+        self.startup_timeout_s = startup_timeout_s
         self._context = multiprocessing.get_context(mp_context)
         self._pool: ProcessPoolExecutor | None = None
+        self._warm_up: asyncio.Future[None] | None = None
 
-    def _get_pool(self) -> ProcessPoolExecutor:
-        if self._pool is None:
+    def _current_pool(self, fn: RewardFn) -> tuple[ProcessPoolExecutor, asyncio.Future[None]]:
+        """The current pool and its warm-up, making both when there is none.
+
+        Starting a worker (a fresh interpreter importing the reward function's module) can take many
+        seconds on a loaded machine; that must not count against a call's timeout, so each new pool is
+        warmed up first, under ``startup_timeout_s``. Callers arriving meanwhile wait for the same warm-up.
+        """
+        if self._pool is None or self._warm_up is None:
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=self._context)
-        return self._pool
+            self._warm_up = asyncio.ensure_future(self._start_workers(self._pool, fn.__module__))
+        return self._pool, self._warm_up
 
-    def _discard(self, pool: ProcessPoolExecutor, *, kill: bool) -> None:
-        """Drop ``pool`` (once, however many callers saw it fail); kill its workers when one hangs."""
+    async def _start_workers(self, pool: ProcessPoolExecutor, module: str) -> None:
+        futures = [asyncio.wrap_future(pool.submit(_touch, module)) for _ in range(self.workers)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*futures), self.startup_timeout_s)
+        except TimeoutError:
+            raise BrokenProcessPool(f"reward workers did not start within {self.startup_timeout_s:.0f}s") from None
+
+    def _discard(self, pool: ProcessPoolExecutor) -> None:
+        """Drop ``pool`` and kill its workers (a hung worker cannot be stopped any other way)."""
         if self._pool is pool:
-            self._pool = None
-        if kill:
-            # ProcessPoolExecutor has no public way to stop a running task before Python 3.14
-            # (terminate_workers); killing the processes makes the executor mark itself broken.
-            for proc in list(getattr(pool, "_processes", {}).values()):
-                proc.kill()
+            self._pool = self._warm_up = None
+        # ProcessPoolExecutor has no public way to stop a running task before Python 3.14
+        # (terminate_workers); killing the processes makes the executor mark itself broken.
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.kill()
         pool.shutdown(wait=False, cancel_futures=True)
 
     async def score(self, fn: RewardFn, *args: object) -> float:
         """``fn(*args)`` in a worker; the default (0.0) after ``1 + retries`` failed attempts."""
+        if "<" in getattr(fn, "__qualname__", "<"):
+            raise ValueError(f"reward function {fn!r} must be a module-level function (workers import it by name)")
         self.stats.calls += 1
         for attempt in range(self.retries + 1):
             if attempt:
                 self.stats.retries += 1
-            pool = self._get_pool()
+            pool, warm_up = self._current_pool(fn)
             try:
+                await asyncio.shield(warm_up)
                 future = pool.submit(fn, *args)
                 value = await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
             except TimeoutError:
                 self.stats.timeouts += 1
                 log.warning("reward %s timed out after %.1fs (attempt %d)", _name(fn), self.timeout_s, attempt + 1)
-                self._discard(pool, kill=True)
+                self._discard(pool)
                 continue
-            except BrokenProcessPool:
+            except BrokenProcessPool as exc:
                 # Every call in flight in a broken pool lands here; count and log the crash once per pool.
                 # (A pool killed after a timeout is already discarded, so that is not counted as a crash.)
                 if self._pool is pool:
                     self.stats.crashes += 1
-                    log.warning("a reward worker died (running %s or a call beside it); recreating the pool",
-                                _name(fn))
-                    self._discard(pool, kill=False)
+                    log.warning("reward pool broken (%s) running %s or a call beside it; recreating it",
+                                exc or "a worker died", _name(fn))
+                    self._discard(pool)
                 continue
             except Exception as exc:  # the reward function's own bug: counted, retried, never fatal
                 self.stats.errors += 1
@@ -252,13 +273,24 @@ class RewardPool:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._discard(self._pool, kill=True)
+            self._discard(self._pool)
 
     def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _touch(module: str) -> int:
+    """Warm-up task: import the reward function's module in the worker (an import error shows up later, on
+    the real call); the short sleep makes concurrent warm-up tasks land on different workers."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # reported by the real call, with the function's name
+        pass
+    time.sleep(0.05)
+    return os.getpid()
 
 
 def _name(fn: object) -> str:

@@ -24,7 +24,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import urljoin
@@ -202,6 +202,16 @@ def _retry_after(response: httpx.Response, fallback: float) -> float:
     return value if math.isfinite(value) and value >= 0 else fallback
 
 
+@dataclass(frozen=True)
+class EpisodeRecord:
+    """One finished session, handed to ``run_agents(on_episode=...)``; ``episode`` is None if it failed."""
+
+    sample: Sample
+    session_id: str
+    group_id: str
+    episode: Episode | None
+
+
 @dataclass
 class Tally:
     """Running results, for the progress bar and the summary."""
@@ -222,11 +232,13 @@ class Tally:
 
 
 async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | None = None,
-                     reward_fn: RewardFn = math_reward, tools: Sequence[Tool] = ()) -> dict[str, Any]:
+                     reward_fn: RewardFn = math_reward, tools: Sequence[Tool] = (),
+                     on_episode: Callable[[EpisodeRecord], None] | None = None) -> dict[str, Any]:
     """Run ``settings.agent`` over the dataset (or ``samples``) through the gateway; return the summary.
 
     ``reward_fn(completion, reference) -> float`` runs in a `RewardPool`; it must be a module-level
-    function (workers import it by name). ``tools`` are extra tools for the tools agent.
+    function (workers import it by name). ``tools`` are extra tools for the tools agent. ``on_episode`` is
+    called after each session is finished (for logs, or to look the session up in the gateway).
     """
     if samples is None:
         samples = load_dataset(settings.dataset, split=settings.split, limit=settings.limit,
@@ -268,7 +280,7 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
                 model_name = models.data[0].id
         return model_name
 
-    async def run_episode(sample: Sample, session: Session) -> None:
+    async def run_episode(sample: Sample, session: Session, group_id: str) -> None:
         async with agent_slots:
             client = AsyncOpenAI(base_url=session.base_url, api_key=session.api_key, http_client=sdk_http,
                                  max_retries=5, timeout=settings.request_timeout_s)
@@ -302,6 +314,8 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
                 tally.failed += 1
             else:
                 tally.episodes.append(episode)
+            if on_episode is not None:
+                on_episode(EpisodeRecord(sample, session.id, group_id, episode))
             bar.update(1)
             bar.set_postfix(tally.postfix(counters), refresh=False)
 
@@ -313,7 +327,7 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
                         for _ in range(settings.group_size)]
             async with asyncio.TaskGroup() as group:
                 for session in sessions:
-                    group.create_task(run_episode(sample, session))
+                    group.create_task(run_episode(sample, session, group_id))
 
     try:
         async with asyncio.TaskGroup() as group:

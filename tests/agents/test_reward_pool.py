@@ -1,44 +1,12 @@
 """RewardPool: timeouts, crashes (BrokenProcessPool) and errors are retried, counted, and end in 0.0."""
 
-import os
+import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
 from agents.rewards import RewardPool, math_reward
-
-# Reward functions run in spawned worker processes, so they live at module level (imported by name).
-
-
-def sleeps_forever(completion: str, reference: str) -> float:
-    time.sleep(60)
-    return 1.0
-
-
-def dies(completion: str, reference: str) -> float:
-    os._exit(3)
-
-
-def dies_once(marker: str, reference: str) -> float:
-    """Crash the worker the first time (the marker file does not exist yet), answer 1.0 after."""
-    path = Path(marker)
-    if not path.exists():
-        path.write_text("crashed")
-        os._exit(3)
-    return 1.0
-
-
-def raises_once(marker: str, reference: str) -> float:
-    path = Path(marker)
-    if not path.exists():
-        path.write_text("raised")
-        raise RuntimeError("flaky reward")
-    return 0.5
-
-
-def returns_nan(completion: str, reference: str) -> float:
-    return float("nan")
+from tests.agents.reward_fns import dies, dies_once, raises_once, returns_nan, sleeps_forever
 
 
 @pytest.fixture
@@ -100,10 +68,19 @@ def test_rejects_bad_settings():
 
 
 async def test_crash_beside_other_calls_is_counted_once_and_they_still_score(tmp_path):
-    import asyncio
-
     with RewardPool(workers=2, timeout_s=5.0, retries=1) as pool:
         results = await asyncio.gather(pool.score(dies_once, str(tmp_path / "m"), "ref"),
                                        *(pool.score(math_reward, f"#### {i}", str(i)) for i in range(10)))
     assert results == [1.0] * 11
     assert pool.stats.crashes == 1 and pool.stats.undecided == 0
+
+
+async def test_lambda_is_refused_clearly(pool):
+    with pytest.raises(ValueError, match="module-level function"):
+        await pool.score(lambda c, r: 1.0, "x", "y")
+
+
+async def test_workers_that_do_not_start_in_time_count_as_a_crash():
+    with RewardPool(workers=1, timeout_s=5.0, retries=0, startup_timeout_s=0.001) as pool:
+        assert await pool.score(math_reward, "#### 1", "1") == 0.0
+        assert pool.stats.crashes == 1 and pool.stats.undecided == 1

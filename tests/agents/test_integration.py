@@ -1,0 +1,165 @@
+"""The agents and the runner against the REAL gateway and embedded engine (tiny random model).
+
+With random weights the model's answers are wrong, so the 2-turn correction path is the natural case. For
+"a correct first answer ends after one turn" the agent is given a scorer that accepts whatever the model
+said (`accept_all`): the agent only sees the score, so this exercises exactly the stop-when-correct path.
+Deterministic tool calls come from a scripted stand-in engine (`scripted_engine.py`) behind the real gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from agents.datasets import Sample
+from agents.episode import GatewayRewards
+from agents.math_agent import CORRECTION, SYSTEM_PROMPT, run_math_agent
+from agents.runner import EpisodeRecord, RunnerSettings, run_agents
+from agents.tool_agent import Tool, run_tool_agent
+from tests.agents.reward_fns import accept_all
+
+# An answer no random model will produce: math_reward scores every attempt 0.0.
+UNREACHABLE = Sample("q-unreachable", "What is 123 * 4567 - 0.125?", "561740.875")
+
+
+async def accept_all_async(completion: str, reference: str) -> float:
+    return 1.0
+
+
+def tree(gateway, session_id: str) -> dict:
+    with gateway.admin() as admin:
+        response = admin.get(f"/v1/sessions/{session_id}")
+        response.raise_for_status()
+        return response.json()
+
+
+def messages_of(node: dict) -> list[dict]:
+    return node["request"]["messages"]
+
+
+async def run_math(gateway, sample: Sample, **kw):
+    session = gateway.create_session(task_id=sample.id, metadata={"test": "agents"})
+    async with AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"]) as client:
+        episode = await run_math_agent(client, sample, model="tiny", max_tokens=8, temperature=1.0,
+                                       rewards=GatewayRewards(gateway.base_url, session["api_key"]), **kw)
+    with gateway.admin() as admin:
+        admin.post(f"/v1/sessions/{session['session_id']}/finish").raise_for_status()
+    return session, episode
+
+
+async def test_wrong_answer_makes_a_two_turn_path_with_a_correction(gateway):
+    session, episode = await run_math(gateway, UNREACHABLE)
+    assert [t.reward for t in episode.turns] == [0.0, 0.0] and not episode.correct_final
+
+    recorded = tree(gateway, session["session_id"])
+    assert recorded["num_interactions"] == 2 and len(recorded["roots"]) == 1
+    root = recorded["roots"][0]
+    assert root["id"] == episode.turns[0].response_id and root["reward"] == 0.0
+    assert [m["role"] for m in messages_of(root)] == ["system", "user"]
+    assert messages_of(root)[0]["content"] == SYSTEM_PROMPT
+    # the retry continues the conversation: one child of the first turn, whose new message is the correction
+    (child,) = root["children"]
+    assert child["id"] == episode.turns[1].response_id and child["parent_id"] == root["id"]
+    assert child["reward"] == 0.0
+    assert messages_of(child)[-1] == {"role": "user", "content": CORRECTION}
+    assert recorded["session"]["status"] == "finished"
+
+
+async def test_correct_first_answer_ends_after_one_turn(gateway):
+    session, episode = await run_math(gateway, UNREACHABLE, score=accept_all_async)
+    assert len(episode.turns) == 1 and episode.correct_first and episode.correct_final
+
+    recorded = tree(gateway, session["session_id"])
+    assert recorded["num_interactions"] == 1
+    (root,) = recorded["roots"]
+    assert root["id"] == episode.turns[0].response_id and root["reward"] == 1.0 and root["children"] == []
+
+
+@pytest.mark.slow  # starts its own stand-in engine and gateway: 30-100 s on a loaded 2-core machine
+async def test_tool_agent_runs_parallel_tool_calls_and_returns_results(gateway_factory, scripted_engine):
+    # Turn 1 asks for three tools at once; turn 2 answers. Token ids come from the real tokenizer.
+    calls = [{"name": "calculator", "arguments": {"expression": "12 * 7"}},
+             {"name": "rendezvous", "arguments": {"who": "a"}},
+             {"name": "rendezvous", "arguments": {"who": "b"}}]
+    first = "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    engine = scripted_engine([first, "12 * 7 = 84, and 84 + 7 = 91.\n#### 91"])
+    gateway = gateway_factory(engine_urls=[engine])
+
+    # Both rendezvous calls must be running at the same time for either to return: proof of parallelism.
+    arrived: list[str] = []
+    both_here = asyncio.Event()
+
+    async def rendezvous(who: str) -> str:
+        arrived.append(who)
+        if len(arrived) == 2:
+            both_here.set()
+        await asyncio.wait_for(both_here.wait(), timeout=10)
+        return f"{who} met {len(arrived) - 1} other"
+
+    tool = Tool("rendezvous", "wait for the other caller",
+                {"type": "object", "properties": {"who": {"type": "string"}}, "required": ["who"]}, rendezvous)
+    session = gateway.create_session(task_id="tools-1")
+    async with AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"]) as client:
+        episode = await run_tool_agent(client, Sample("tools-1", "What is 12 * 7 + 7?", "91"), model="tiny",
+                                       tools=[tool], rewards=GatewayRewards(gateway.base_url, session["api_key"]))
+
+    assert [t.tool_calls for t in episode.turns] == [3, 0]
+    assert episode.correct_final and episode.turns[1].reward == 1.0
+    assert sorted(arrived) == ["a", "b"]
+
+    recorded = tree(gateway, session["session_id"])
+    (root,) = recorded["roots"]
+    assert root["finish_reason"] == "tool_calls" and len(root["response_message"]["tool_calls"]) == 3
+    (child,) = root["children"]
+    tool_messages = [m for m in messages_of(child) if m["role"] == "tool"]
+    ids = [c["id"] for c in root["response_message"]["tool_calls"]]
+    assert [m["tool_call_id"] for m in tool_messages] == ids
+    assert [m["content"] for m in tool_messages] == ["84", "a met 1 other", "b met 1 other"]
+    assert child["reward"] == 1.0
+
+    # the model was shown all three results, in order, in its second prompt
+    with httpx.Client() as http:
+        requests = http.get(engine + "/requests").json()
+    assert len(requests) == 2
+    from transformers import AutoTokenizer
+
+    from engine.models import tiny_dir
+
+    prompt = AutoTokenizer.from_pretrained(tiny_dir()).decode(requests[1]["input_ids"])
+    shown = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", prompt, re.S)
+    assert shown == ["84", "a met 1 other", "b met 1 other"]
+
+
+async def test_runner_groups_sessions_posts_rewards_and_finishes(gateway):
+    records: list[EpisodeRecord] = []
+    settings = RunnerSettings(gateway=gateway.base_url, admin_key=gateway.admin_key, dataset="synthetic:3",
+                              limit=2, group_size=2, concurrency=4, max_tokens=8, eval=True, progress=False)
+    settings.validate()
+    summary = await run_agents(settings, on_episode=records.append)
+
+    assert (summary["prompts"], summary["sessions"], summary["episodes"], summary["failed"]) == (2, 4, 4, 0)
+    assert 1.0 <= summary["mean_turns"] <= 2.0
+    assert summary["reward_timeouts"] == summary["reward_crashes"] == 0
+    assert len({r.group_id for r in records}) == 2
+    for record in records:
+        recorded = tree(gateway, record.session_id)
+        session = recorded["session"]
+        assert session["status"] == "finished" and session["group_id"] == record.group_id
+        assert session["metadata"]["eval"] is True and session["task_id"] == record.sample.id
+        turns = record.episode.turns
+        assert recorded["num_interactions"] == len(turns)
+        assert recorded["roots"][0]["reward"] == turns[0].reward  # every turn's reward reached the gateway
+
+
+async def test_runner_with_an_injected_reward_function_stops_after_turn_one(gateway):
+    settings = RunnerSettings(gateway=gateway.base_url, admin_key=gateway.admin_key, dataset="synthetic:1",
+                              limit=2, group_size=1, concurrency=2, max_tokens=8, progress=False)
+    settings.validate()
+    summary = await run_agents(settings, reward_fn=accept_all)
+    assert summary["accuracy_turn1"] == summary["accuracy_final"] == summary["mean_reward"] == 1.0
+    assert summary["mean_turns"] == 1.0 and summary["episodes"] == 2
