@@ -3,42 +3,78 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+import uuid
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
 import openai
 import pytest
+import redis
 
 from agentrl.trajectory import LEASE_HEADER, MEDIA_TYPE, decode_batch
 from gateway.store import Store
-from tests.conftest import REDIS_URL
+from agentrl.procs import Processes
+from tests.conftest import PG_ADMIN_URL, REDIS_URL, free_port
+from tests.gateway.conftest import ADMIN_KEY, AGENT_KEY, GatewayProc
 
 EXPORT_ENV = {
     "AGENTRL_GATEWAY_GROUP_SIZE": "4",
     "AGENTRL_GATEWAY_GAMMA": "0.9",
     "AGENTRL_GATEWAY_TICK_S": "0.1",
-    "AGENTRL_GATEWAY_LEASE_TIMEOUT_S": "2",
+    "AGENTRL_GATEWAY_LEASE_TIMEOUT_S": "1.5",
     "AGENTRL_GATEWAY_RETRY_AFTER_S": "3",
-    "AGENTRL_GATEWAY_STALE_MAX_AGE_S": "600",
 }
 
 
-@pytest.fixture(params=["sqlite", pytest.param("pg+redis", marks=pytest.mark.services)])
-def start_gateway(request, gateway_factory, monkeypatch):
-    """Start a gateway with test export settings on SQLite, or on PostgreSQL + Redis."""
-    for name, value in EXPORT_ENV.items():
-        monkeypatch.setenv(name, value)
+async def _pg_admin(sql: str) -> None:
+    import asyncpg
 
-    def start(**env):
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        if request.param == "sqlite":
-            return gateway_factory()
-        pg_url = request.getfixturevalue("pg_url")
-        return gateway_factory(db=pg_url, redis=REDIS_URL, redis_prefix=request.getfixturevalue("redis_prefix"))
+    conn = await asyncpg.connect(PG_ADMIN_URL)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
 
-    return start
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("pg+redis", marks=pytest.mark.services)])
+def gw(request, engine_url, tmp_path_factory) -> Iterator[GatewayProc]:
+    """One gateway per backend for this module (starting one costs tens of seconds on a busy machine);
+    each test below leaves it as it found it (trainer state re-registered, queue drained)."""
+    tmp = tmp_path_factory.mktemp("export-gw")
+    port = free_port()
+    argv = [sys.executable, "-m", "agentrl", "gateway", "--engine-url", engine_url, "--port", str(port),
+            "--admin-key", ADMIN_KEY, "--agent-key", AGENT_KEY, "--log-level", "warning"]
+    cleanup = []
+    if request.param == "sqlite":
+        db = f"sqlite+aiosqlite:///{tmp}/gw.db"
+    else:
+        name = "agentrl_export_" + uuid.uuid4().hex[:12]
+        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
+        cleanup.append(lambda: asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')))
+        db = f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+        prefix = f"agentrl-test:{uuid.uuid4().hex[:12]}:"
+        argv += ["--redis", REDIS_URL, "--redis-prefix", prefix]
+
+        def drop_keys() -> None:
+            client = redis.Redis.from_url(REDIS_URL)
+            for key in client.scan_iter(match=prefix + "*"):
+                client.delete(key)
+            client.close()
+
+        cleanup.append(drop_keys)
+    argv += ["--db", db]
+    try:
+        with Processes(tmp / "logs") as procs:
+            child = procs.start(f"gateway-{port}", argv, env=EXPORT_ENV)
+            base = f"http://127.0.0.1:{port}"
+            procs.wait_healthy(child, base + "/health", timeout_s=180)
+            yield GatewayProc(base, ADMIN_KEY, AGENT_KEY, db, [engine_url], child.log_path)
+    finally:
+        for step in cleanup:
+            step()
 
 
 def agent(session: dict) -> openai.OpenAI:
@@ -80,9 +116,11 @@ def error_code(resp: httpx.Response) -> str:
     return resp.json()["error"]["code"]
 
 
-def test_group_of_four_two_turn_sessions_leased_as_one_batch(start_gateway):
-    gw = start_gateway()
+def test_group_of_four_two_turn_sessions_leased_as_one_batch(gw):
     with gw.admin() as admin:
+        # A trainer with room for everything this test makes (a fresh registration: the budget restarts).
+        r = admin.post("/admin/trainer", json={"version": 0, "batch_size": 64, "staleness_bound": 4})
+        assert r.status_code == 200, r.text
         sessions = [gw.create_session(group_id="grp-selfcorrect", task_id=f"task-{i}") for i in range(4)]
         replies = {}
         for i, s in enumerate(sessions):
@@ -134,7 +172,7 @@ def test_group_of_four_two_turn_sessions_leased_as_one_batch(start_gateway):
 
         # Not acknowledged within the lease timeout: the group comes back under a new lease.
         assert lease(admin, wait_s=0.3)[0] is None
-        time.sleep(2.2)
+        time.sleep(1.7)
         r = admin.post("/v1/trajectories/ack", json={"lease_id": lease_id})
         assert r.status_code == 409 and error_code(r) == "lease_expired"
         again, meta2, lease2 = lease(admin, wait_s=5)
@@ -146,7 +184,7 @@ def test_group_of_four_two_turn_sessions_leased_as_one_batch(start_gateway):
         assert r.status_code == 409 and error_code(r) == "lease_acked"
         r = admin.post("/v1/trajectories/ack", json={"lease_id": "lease-unknown"})
         assert r.status_code == 404
-        time.sleep(2.2)
+        time.sleep(1.7)
         assert lease(admin, wait_s=0.3)[0] is None  # acknowledged: never re-delivered
 
         for params in ({"max_groups": 0}, {"max_groups": 5000}, {"max_groups": "many"}, {"wait_s": -1}):
@@ -160,40 +198,43 @@ def test_group_of_four_two_turn_sessions_leased_as_one_batch(start_gateway):
     assert r.status_code == 403
 
 
-def test_staleness_budget_429_then_admission_after_version_advances(start_gateway):
-    gw = start_gateway(AGENTRL_GATEWAY_GROUP_SIZE="2", AGENTRL_GATEWAY_IDLE_TIMEOUT_S="0.5")
+def test_staleness_budget_429_then_admission_after_version_advances(gw):
     implicit = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.agent_key, max_retries=0)
+    hello = [{"role": "user", "content": "hi"}]
     with gw.admin() as admin:
+        # v=0, B=1 group of 4 sessions, k=0: (0 + 0 + 1) x 1 x 4 = 4 sessions.
         r = admin.post("/admin/trainer", json={"version": 0, "batch_size": 1, "staleness_bound": 0})
-        assert r.status_code == 200 and r.json()["trainer"]["limit"] == 2, r.text
-        sessions = [gw.create_session(group_id="g") for _ in range(2)]
-        r = admin.post("/v1/sessions", json={"group_id": "g"})
+        assert r.status_code == 200 and r.json()["trainer"]["limit"] == 4, r.text
+        pairs = [{"group_id": name, "metadata": {"group_size": 2}} for name in ("pair-a", "pair-a", "pair-b", "pair-b")]
+        sessions = [gw.create_session(**body) for body in pairs]
+        r = admin.post("/v1/sessions", json=pairs[0])
         assert r.status_code == 429 and int(r.headers["retry-after"]) == 3
         assert r.json()["error"]["code"] == "staleness_budget"
         assert admin.post("/v1/sessions", json={"metadata": {"eval": True}}).status_code == 200
         # Implicit-mode episodes obey the same budget.
         with pytest.raises(openai.RateLimitError):
-            implicit.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=2)
-        # Run the two admitted sessions to the queue (idle finish after their reward).
-        for s in sessions:
+            implicit.chat.completions.create(model="tiny", messages=hello, max_tokens=2)
+        # Run pair-a to the queue.
+        for s in sessions[:2]:
             reply = agent(s).chat.completions.create(model="tiny", max_tokens=4,
                                                      messages=[{"role": "user", "content": "1+1?"}])
             assert admin.post("/reward", json={"response_id": reply.id, "reward": 1.0}).status_code == 200
-        # The trainer stepped: one more batch of budget.
+            assert admin.post(f"/v1/sessions/{s['session_id']}/finish").status_code == 200
+        # The trainer stepped: room for one more batch (4 sessions), explicit and implicit alike.
         r = admin.post("/admin/trainer", json={"version": 1, "batch_size": 1, "staleness_bound": 0})
-        assert r.json()["trainer"]["limit"] == 4
-        gw.create_session(group_id="h")
-        implicit.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        assert admin.post("/v1/sessions", json={}).status_code == 429
+        assert r.json()["trainer"]["limit"] == 8 and r.json()["trainer"]["admitted"] == 4
+        implicit.chat.completions.create(model="tiny", messages=hello, max_tokens=2)
+        for _ in range(3):
+            assert admin.post("/v1/sessions", json=pairs[2]).status_code == 200
+        assert admin.post("/v1/sessions", json=pairs[2]).status_code == 429
 
-        # The engine's tokens carry version 0 < v - k = 1: the finished group is held back, not leased.
-        assert lease(admin, wait_s=2.5)[0] is None
-        stats = admin.get("/v1/trajectories/stats").json()
-        assert stats["queue"]["held"] == 1 and stats["queue"]["held_rows"] == 2
+        # pair-a's tokens carry version 0 < v - k = 1: the group is held back, not leased.
+        assert lease(admin, wait_s=1.0)[0] is None
+        queue = admin.get("/v1/trajectories/stats").json()["queue"]
+        assert queue["held"] == 1 and queue["held_rows"] == 2
         # A trainer that accepts older data (k = 1) gets it.
         r = admin.post("/admin/trainer", json={"version": 1, "batch_size": 1, "staleness_bound": 1})
         assert r.status_code == 200
         rows, meta, lease_id = lease(admin, wait_s=5)
-        assert sorted(r.session_id for r in rows) == sorted(s["session_id"] for s in sessions)
+        assert sorted(r.session_id for r in rows) == sorted(s["session_id"] for s in sessions[:2])
         assert admin.post("/v1/trajectories/ack", json={"lease_id": lease_id}).status_code == 200
