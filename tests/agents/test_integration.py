@@ -163,3 +163,14 @@ async def test_runner_with_an_injected_reward_function_stops_after_turn_one(gate
     summary = await run_agents(settings, reward_fn=accept_all)
     assert summary["accuracy_turn1"] == summary["accuracy_final"] == summary["mean_reward"] == 1.0
     assert summary["mean_turns"] == 1.0 and summary["episodes"] == 2
+
+
+def test_cli_prints_the_summary(gateway, capsys):
+    from agentrl.cli import main
+
+    code = main(["agent", "math", "--gateway", gateway.base_url, "--admin-key", gateway.admin_key,
+                 "--dataset", "synthetic:2", "--limit", "1", "--group-size", "2", "--max-tokens", "8",
+                 "--no-progress", "--eval"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["episodes"] == 2 and summary["eval"] is True and summary["failed"] == 0

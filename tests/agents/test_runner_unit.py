@@ -85,3 +85,16 @@ async def test_dead_gateway_gives_up_after_gateway_wait():
         with pytest.raises(GatewayUnavailable, match="still failing after"):
             await gateway.finish("s1")
     assert counters.gateway_retries >= 2
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    from agentrl.cli import main
+
+    assert main(["agent", "math", "--admin-key", "k", "--dataset", f"gsm8k:{tmp_path}/missing.jsonl"]) == 2
+    assert "missing.jsonl does not exist" in capsys.readouterr().err
+    assert main(["agent", "math", "--dataset", "synthetic"]) == 2  # no admin key
+    assert "--admin-key is required" in capsys.readouterr().err
+    dead = f"http://127.0.0.1:{free_port()}"
+    assert main(["agent", "math", "--gateway", dead, "--admin-key", "k", "--limit", "1", "--no-progress",
+                 "--gateway-wait-s", "1"]) == 3
+    assert "gateway unavailable" in capsys.readouterr().err
