@@ -18,7 +18,6 @@ little-endian bytes in SQL. Errors: see ``gateway.store.errors``.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import math
@@ -39,7 +38,7 @@ from gateway.store import schema
 from gateway.store.migrate import upgrade as alembic_upgrade
 from gateway.store.dberrors import db_errors
 from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreUnavailable
-from gateway.store.packing import pack_i32, unpack_i32
+from gateway.store.packing import unpack_i32
 
 from gateway.store.records import (
     SESSION_STATUSES,
@@ -117,8 +116,6 @@ class Store:
         self._engine = engine
         self._write_engine = write_engine
         self._is_sqlite = engine.dialect.name == "sqlite"
-        # SQLite has one writer at a time: take turns in-process instead of polling the file lock
-        self._write_lock = asyncio.Lock() if self._is_sqlite else None
         self._redis = redis
         self._redis_prefix = redis_prefix
         self._seqs = SequenceCache(seq_cache_tokens)
@@ -174,6 +171,8 @@ class Store:
                 await alembic_upgrade(url_str)
         if backend == "sqlite":
             engine = create_async_engine(url)
+            # one writer connection: SQLite allows one writer at a time anyway, and waiting for the pool
+            # is cheaper than polling the file lock
             write_engine = create_async_engine(url, pool_size=1, max_overflow=0)
             event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
             event.listen(write_engine.sync_engine, "connect", _sqlite_pragmas_autobegin_off)
@@ -217,9 +216,12 @@ class Store:
     # ---- for other store modules (export/leasing, issue 4) ----
     @property
     def engine(self) -> AsyncEngine:
-        """The SQLAlchemy ``AsyncEngine`` (for modules that add their own tables via Alembic 0002+).
-        On SQLite, write through ``store.write_transaction()`` instead, which serialises writers."""
-        return self._engine
+        """The SQLAlchemy ``AsyncEngine`` for modules that add their own tables (Alembic 0002+).
+
+        On SQLite this is the store's single writer connection: every transaction on it starts with
+        ``BEGIN IMMEDIATE``, so read-then-write transactions cannot fail with SQLITE_BUSY, and they take
+        turns with the group-commit writer (keep them short). On PostgreSQL it is the shared pool."""
+        return self._write_engine
 
     @property
     def redis(self) -> Any | None:
@@ -250,13 +252,8 @@ class Store:
 
     @asynccontextmanager
     async def _write_tx(self) -> AsyncIterator[AsyncConnection]:
-        async with db_errors():
-            if self._write_lock is None:
-                async with self._write_engine.begin() as conn:
-                    yield conn
-            else:
-                async with self._write_lock, self._write_engine.begin() as conn:
-                    yield conn
+        async with db_errors(), self._write_engine.begin() as conn:
+            yield conn
 
     @asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
@@ -495,23 +492,21 @@ class Store:
         rows = [interaction_to_row(it) for it in interactions]
         await self._writer.submit(list(interactions), rows)
 
-    async def _after_commit(self, interactions: list[Interaction]) -> None:
+    async def _after_commit(self, committed: list[tuple[Interaction, dict[str, Any]]]) -> None:
         """Cache the new turns' full sequences (when the parent's is at hand) and publish their chain
         hashes to Redis, before their callers are answered."""
         sequences: list[tuple[str, bytes]] = []
-        for it in interactions:
+        for it, row in committed:
             self._turns.put(it)
-            if it.parent_id is None:
-                parent: bytes | None = b""
-            else:
-                parent = self._seqs.get(it.parent_id)
+            parent = b"" if it.parent_id is None else self._seqs.get(it.parent_id)
             if parent is None:
                 continue  # computed from SQL on first use
-            packed = parent + pack_i32(it.prompt_ids) + pack_i32(it.output_ids)
+            packed = parent + row["prompt_ids"] + row["output_ids"]
             self._seqs.put(it.id, packed)
             sequences.append((it.id, packed))
         if self._redis is not None:
-            await self._redis.publish_turns([(it.session_id, it.chain_hash, it.id) for it in interactions], sequences)
+            chain = [(it.session_id, it.chain_hash, it.id) for it, _ in committed]
+            await self._redis.publish_turns(chain, sequences)
 
     async def get_interaction(self, *, interaction_id: str) -> Interaction:
         """One turn. NotFound if unknown."""

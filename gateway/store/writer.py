@@ -51,7 +51,7 @@ class GroupCommitWriter:
         lock_rows: bool,
         max_batch_rows: int,
         delay_s: float,
-        after_commit: Callable[[list[Interaction]], Awaitable[None]],
+        after_commit: Callable[[list[tuple[Interaction, dict[str, Any]]]], Awaitable[None]],
     ) -> None:
         self._transaction = transaction
         self._lock_rows = lock_rows
@@ -135,7 +135,7 @@ class GroupCommitWriter:
             return
         if committed:
             try:
-                await self._after_commit([it for job in committed for it in job.interactions])
+                await self._after_commit([pair for job in committed for pair in zip(job.interactions, job.rows)])
             except Exception:  # caches only; the rows are durable, so the callers still succeed
                 log.exception("group commit: after-commit hook failed")
         for job in committed:

@@ -54,16 +54,24 @@ async def test_schema_matches_migration_postgres(pg_url: str) -> None:
 
 
 def test_downgrade_and_cli(tmp_path: Path) -> None:
-    """``alembic upgrade head`` from the repo root (alembic.ini) and a full downgrade both work."""
-    url = f"sqlite+aiosqlite:///{tmp_path}/cli.db"
+    """``alembic upgrade head`` from the repo root (alembic.ini), then a full downgrade and back."""
+    db = tmp_path / "cli.db"
+    url = f"sqlite+aiosqlite:///{db}"
     env = {**os.environ, "AGENTRL_DB_URL": url}
     alembic_bin = Path(sys.executable).with_name("alembic")
-    subprocess.run([str(alembic_bin), "upgrade", "head"], cwd=REPO, env=env, check=True, timeout=120)
-    out = subprocess.run([str(alembic_bin), "current"], cwd=REPO, env=env, check=True, timeout=120,
-                         capture_output=True, text=True)
-    assert "(head)" in out.stdout  # at the newest revision (0002_trajectories adds the export tables)
+    subprocess.run([str(alembic_bin), "-c", "alembic.ini", "upgrade", "head"], cwd=REPO, env=env, check=True, timeout=120)
+    head = ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+    assert _current(db) == head  # later revisions (0002_trajectories, ...) sit on top of 0001_initial
     command.downgrade(alembic_config(url), "base")
-    command.upgrade(alembic_config(url), "head")
+    assert _current(db) is None
+    command.upgrade(alembic_config(url), "0001_initial")
+    assert _current(db) == "0001_initial"
+
+
+def _current(path: Path) -> str | None:
+    with sqlite3.connect(path) as conn:
+        rows = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+    return rows[0][0] if rows else None
 
 
 async def test_bad_urls(tmp_path: Path) -> None:
