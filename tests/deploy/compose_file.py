@@ -92,31 +92,49 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
 
 
 PACKAGES = ("agentrl", "engine", "gateway", "trainer", "agents")
+_CLASSVAR_PREFIX = re.compile(r"^\s+env_prefix\s*:\s*ClassVar", re.M)
+_MODULE_PREFIX = re.compile(r"^ENV_PREFIX\s*=\s*[\"'](AGENTRL_[A-Z0-9_]*)[\"']", re.M)
+_DIRECT_VAR = re.compile(r"(?:environ\.get\(|environ\[|getenv\()\s*[\"'](AGENTRL_[A-Z0-9_]+)[\"']")
 
 
-def settings_modules() -> list[str]:
-    """Modules of the project that declare a settings dataclass (a class body with ``env_prefix: ClassVar``)."""
-    found = []
+def _sources() -> list[tuple[str, str]]:
+    out = []
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
-            if re.search(r"^\s+env_prefix\s*:\s*ClassVar", path.read_text(), re.M):
-                found.append(".".join(path.relative_to(REPO).with_suffix("").parts))
-    return found
+            out.append((".".join(path.relative_to(REPO).with_suffix("").parts), path.read_text()))
+    return out
 
 
 def settings_classes() -> list[type]:
-    """Every settings dataclass of the project (one per process), found by reading the source."""
+    """Every settings dataclass of the project, found by reading the source: classes with an ``env_prefix``
+    ClassVar (the convention of agentrl.settings), and dataclasses of a module that reads its fields from
+    the environment under a module-level ``ENV_PREFIX`` (gateway.lifecycle.ExportSettings)."""
     found: dict[str, type] = {}
-    for name in settings_modules():
+    for name, text in _sources():
+        module_prefix = _MODULE_PREFIX.search(text)
+        if not (_CLASSVAR_PREFIX.search(text) or module_prefix):
+            continue
         module = importlib.import_module(name)
         for obj in vars(module).values():
-            if (isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == name
-                    and isinstance(getattr(obj, "env_prefix", None), str)):
+            if not (isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == name):
+                continue
+            if isinstance(getattr(obj, "env_prefix", None), str) or (module_prefix and obj.__name__.endswith("Settings")):
                 found[f"{obj.__module__}.{obj.__qualname__}"] = obj
     return list(found.values())
 
 
-def known_env_vars() -> dict[str, type]:
-    from agentrl.settings import env_names
+def class_env_names(cls: type) -> dict[str, str]:
+    """field -> environment variable, for either kind of settings class."""
+    prefix = getattr(cls, "env_prefix", None) or getattr(importlib.import_module(cls.__module__), "ENV_PREFIX")
+    return {f.name: prefix + f.name.upper() for f in dataclasses.fields(cls)}
 
-    return {var: cls for cls in settings_classes() for var in env_names(cls).values()}
+
+def direct_env_vars() -> dict[str, str]:
+    """AGENTRL_* variables read directly with os.environ / getenv (not through a settings class) -> module."""
+    return {var: name for name, text in _sources() for var in _DIRECT_VAR.findall(text)}
+
+
+def known_env_vars() -> dict[str, object]:
+    known: dict[str, object] = {var: cls for cls in settings_classes() for var in class_env_names(cls).values()}
+    known.update(direct_env_vars())
+    return known

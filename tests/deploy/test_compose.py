@@ -16,13 +16,14 @@ from urllib.parse import urlparse
 import pytest
 
 from agentrl.cli import build_parser
-from agentrl.settings import env_names
 from tests.deploy.compose_file import (
     COMPOSE,
     ENV_EXAMPLE,
     REPO,
     argv,
+    class_env_names,
     compose,
+    direct_env_vars,
     environment,
     known_env_vars,
     raw_compose,
@@ -96,7 +97,8 @@ def test_every_agentrl_env_var_exists_in_the_settings(services):
 def test_env_example_documents_every_setting():
     active, commented = read_env_file()
     listed = set(active) | set(commented)
-    missing = {var for cls in settings_classes() for var in env_names(cls).values()} - listed
+    every = {var for cls in settings_classes() for var in class_env_names(cls).values()} | set(direct_env_vars())
+    missing = every - listed
     assert not missing, f".env.example lacks {sorted(missing)} (regenerate: python docker/make_env_example.py)"
     # each NAME= line has a comment above it
     lines = ENV_EXAMPLE.read_text().splitlines()
@@ -143,6 +145,14 @@ def test_gateway_is_wired_to_sglang_postgres_and_redis(services):
     assert db.scheme == "postgresql+asyncpg" and db.hostname == "postgres"
     assert urlparse(flag_value(args, "--redis")).hostname == "redis"
     assert flag_value(args, "--host") == "0.0.0.0"
+
+
+def test_group_size_agrees_between_agent_gateway_and_trainer(services):
+    """The gateway cuts groups of its group size; the agent makes groups of --group-size; the trainer expects
+    groups of --group-size. A mismatch leaves groups that never fill."""
+    agent = flag_value(argv(services["agent"]), "--group-size")
+    assert flag_value(argv(services["trainer"]), "--group-size") == agent
+    assert environment(services["gateway"])["AGENTRL_GATEWAY_GROUP_SIZE"] == agent
 
 
 def test_sglang_serves_tokens_and_weight_updates(services):
