@@ -16,7 +16,7 @@ import logging
 import sys
 
 from agentrl.settings import SettingsError, add_arguments, load
-from agents.runner import AGENTS, RunnerSettings
+from agents.settings import AGENTS, RunnerSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
