@@ -22,8 +22,8 @@ from gateway.store.records import Interaction
 
 async def _run(db: str, redis: str | None, *, calls: int, concurrency: int, prompt: int, output: int,
                max_batch_rows: int) -> dict[str, float]:
-    store = await Store.open(db, redis_url=redis, redis_prefix=f"agentrl-tp:{uuid.uuid4().hex[:8]}:",
-                             max_batch_rows=max_batch_rows)
+    prefix = f"agentrl-tp:{uuid.uuid4().hex[:8]}:"
+    store = await Store.open(db, redis_url=redis, redis_prefix=prefix, max_batch_rows=max_batch_rows)
     try:
         sessions = [await store.create_session() for _ in range(concurrency)]
         rng = random.Random(0)
@@ -56,6 +56,10 @@ async def _run(db: str, redis: str | None, *, calls: int, concurrency: int, prom
         return {"rows": rows, "seconds": elapsed, "rows_per_s": rows / elapsed,
                 "transactions": stats.transactions - before.transactions}
     finally:
+        if store.redis is not None:  # leave nothing behind in a shared Redis
+            keys = [key async for key in store.redis.scan_iter(match=prefix + "*")]
+            for start in range(0, len(keys), 1000):
+                await store.redis.delete(*keys[start:start + 1000])
         await store.close()
 
 
