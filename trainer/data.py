@@ -35,6 +35,11 @@ class Lease:
     rows: list[Row]
     meta: dict[str, Any]
     raw: bytes = b""
+    lease_ids: list[str] = field(default_factory=list)  # a batch may combine several leases
+
+    def __post_init__(self) -> None:
+        if not self.lease_ids:
+            self.lease_ids = [self.lease_id]
 
 
 class LeaseClient:

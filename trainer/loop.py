@@ -22,7 +22,7 @@ from agentrl.trajectory import decode_batch
 from trainer import checkpoint
 from agentrl.settings import SettingsError
 from trainer.config import TrainerSettings
-from trainer.data import LEASE_HEADER, GatewayError, Lease, LeaseClient, SeenRows, drop_duplicates, parse_lease
+from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, drop_duplicates
 from trainer.model import DistInfo, init_distributed, load_model
 from trainer.step import train_step
 from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, broadcast_object,
@@ -124,12 +124,15 @@ def announce_trainer(control: Any, settings: TrainerSettings, version: int, info
 
 
 def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: DistInfo) -> Lease | None:
-    """Rank 0 leases a batch; every rank gets the same rows (bytes broadcast, decoded locally)."""
+    """Rank 0 leases up to ``batch_groups`` groups; every rank gets the same rows (bytes broadcast).
+
+    Leases are taken until the batch is full or a wait of ``lease_wait_s`` brings nothing more; a partial
+    batch is trained on rather than held (its groups would otherwise go stale).
+    """
     payload: Any = None
     if info.is_main and leases is not None:
         try:
-            lease = leases.lease(settings.batch_groups, settings.lease_wait_s)
-            payload = None if lease is None else (lease.raw, lease.lease_id)
+            payload = _lease_batch(leases, settings)
         except GatewayError as exc:  # every rank must stop, not only rank 0
             payload = exc
     payload = broadcast_object(payload, info)
@@ -137,16 +140,27 @@ def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: Dist
         raise payload
     if payload is None:
         return None
-    raw, lease_id = payload
-    if info.is_main:
-        return parse_lease(raw, {LEASE_HEADER.lower(): lease_id})
-    rows, meta = decode_batch(raw)
-    return Lease(lease_id=lease_id, rows=rows, meta=meta, raw=raw)
+    parts = [decode_batch(raw) for raw, _ in payload]
+    return Lease(lease_id=",".join(lid for _, lid in payload), rows=[r for rows, _ in parts for r in rows],
+                 meta={"leases": [meta for _, meta in parts]}, lease_ids=[lid for _, lid in payload])
+
+
+def _lease_batch(leases: LeaseClient, settings: TrainerSettings) -> list[tuple[bytes, str]] | None:
+    got: list[tuple[bytes, str]] = []
+    groups: set[str] = set()
+    while len(groups) < settings.batch_groups:
+        lease = leases.lease(settings.batch_groups - len(groups), settings.lease_wait_s)
+        if lease is None:
+            break
+        got.append((lease.raw, lease.lease_id))
+        groups |= {r.group_id for r in lease.rows}
+    return got or None
 
 
 def ack(leases: LeaseClient | None, lease: Lease, info: DistInfo) -> None:
     if info.is_main and leases is not None:
-        leases.ack(lease.lease_id)
+        for lease_id in lease.lease_ids:
+            leases.ack(lease_id)
 
 
 def save(settings: TrainerSettings, state: checkpoint.TrainerState, seen: SeenRows, model: torch.nn.Module,
@@ -174,7 +188,7 @@ def log_metrics(metrics: dict[str, Any], out: TextIO | None, info: DistInfo) -> 
         out.write(json.dumps(metrics) + "\n")
     print(
         f"[trainer] step {metrics['step']} v{metrics['version']} reward {metrics['reward/mean']:.3f} "
-        f"loss {metrics['actor/loss']:+.4f} clip {metrics['actor/clip_frac']:.3f} "
+        f"loss {metrics['actor/loss']:+.2e} clip {metrics['actor/clip_frac']:.3f} "
         f"ent {metrics['actor/entropy']:.3f} gap {metrics['logprob_gap/mean']:.2e} "
         f"rows {int(metrics['batch/rows'])} tok/s {metrics['perf/tokens_per_s']:.0f}"
         + (f" sync {metrics['sync/seconds']:.2f}s" if "sync/seconds" in metrics else ""),

@@ -58,3 +58,14 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int
     ids = torch.tensor([prompt + output])
     logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
     return logp[0, len(prompt) - 1:]
+
+
+# The gateway fixtures (real gateway processes). Importing them here makes ``gateway_factory`` use this
+# directory's ``engine_url``: an engine of the trainer tests' own, because weight pushes change it.
+from tests.gateway.conftest import GatewayProc, gateway_factory  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with Processes(tmp_path_factory.mktemp("trainer-gw-engine")) as procs:
+        yield start_engine(procs)
