@@ -37,7 +37,8 @@ COMPOSE_VARIABLES: list[tuple[str, str, bool, str]] = [
     ("IMAGE_TAG", "latest", False, "tag of the locally built agentrl-gateway / agentrl-trainer images"),
     ("MODEL_DIR", "./models", True,
      "Host directory holding Hugging Face model directories, mounted read-only at /models in sglang, "
-     "gateway and trainer (nothing is downloaded at run time)"),
+     "gateway and trainer (nothing is downloaded at run time). A Hugging Face cache works too: "
+     "MODEL_DIR=~/.cache/huggingface/hub with MODEL_PATH=/models/models--ORG--NAME/snapshots/REVISION"),
     ("MODEL_PATH", "/models/SmolLM2-135M-Instruct", True,
      "The policy model as seen inside the containers: SGLang serves it, the gateway uses its tokenizer and "
      "chat template, the trainer starts from it"),
