@@ -299,7 +299,7 @@ class Store:
             raise Conflict(f"session {sid} already exists") from exc
         record = session_from_row(row, api_key=api_key)
         if self._redis is not None:
-            await self._redis.put_session(row["key_hash"], session_from_row(row))
+            await self._redis.put_session(hash_key(api_key), session_from_row(row))
         return record
 
     async def get_session(self, *, session_id: str) -> SessionRecord:
@@ -569,9 +569,10 @@ class Store:
                 found = (await conn.execute(sa.select(i.c.session_id).where(i.c.id == interaction_id))).first()
                 if found is None:
                     raise NotFound(f"unknown interaction {interaction_id}")
-                target_session = found.session_id
+                target_session: str = found.session_id
             else:
-                target_session = session_id  # type: ignore[assignment]
+                assert session_id is not None
+                target_session = session_id
             query = sa.select(s).where(s.c.id == target_session)
             if not self._is_sqlite:
                 query = query.with_for_update()
@@ -596,7 +597,8 @@ class Store:
                     created_at=now,
                 )
             )
-            event_id = result.inserted_primary_key[0]
+            assert result.inserted_primary_key is not None
+            event_id = int(result.inserted_primary_key[0])
         if interaction_id is not None:
             self._turns.set_reward(interaction_id, float(reward))
         if updated is not None and self._redis is not None:

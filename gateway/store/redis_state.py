@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -103,7 +104,7 @@ class RedisState:
         except RedisError as exc:
             self._failed("chain read", exc)
             return [None] * len(hashes)
-        return [v.decode() if v is not None else None for v in values]
+        return [v.decode() if isinstance(v, bytes) else v for v in values]
 
     async def chain_add(self, entries: Iterable[tuple[str, str, str]], *, only_missing: bool = False) -> None:
         """Index ``(session_id, chain_hash, interaction_id)`` entries. ``only_missing`` (used when
@@ -121,7 +122,7 @@ class RedisState:
                     for field, value in mapping.items():
                         pipe.hsetnx(key, field, value)
                 else:
-                    pipe.hset(key, mapping=mapping)
+                    pipe.hset(key, mapping=cast("dict[Any, Any]", mapping))  # redis-py types str keys narrowly
                 pipe.expire(key, CHAIN_TTL_S)
             await pipe.execute()
         except RedisError as exc:
@@ -141,7 +142,7 @@ class RedisState:
             pipe = self.client.pipeline(transaction=False)
             for session_id, mapping in by_session.items():
                 key = f"{self.prefix}chain:{session_id}"
-                pipe.hset(key, mapping=mapping)
+                pipe.hset(key, mapping=cast("dict[Any, Any]", mapping))  # redis-py types str keys narrowly
                 pipe.expire(key, CHAIN_TTL_S)
             for interaction_id, packed in sequences:
                 pipe.set(f"{self.prefix}seq:{interaction_id}", packed, ex=SEQ_TTL_S)
@@ -154,10 +155,11 @@ class RedisState:
     # ---- full sequences ----
     async def seq_get(self, interaction_id: str) -> bytes | None:
         try:
-            return await self.client.get(f"{self.prefix}seq:{interaction_id}")
+            value = await self.client.get(f"{self.prefix}seq:{interaction_id}")
         except RedisError as exc:
             self._failed("sequence read", exc)
             return None
+        return value if isinstance(value, bytes) else None
 
     async def seq_put(self, items: Iterable[tuple[str, bytes]]) -> None:
         try:

@@ -10,7 +10,7 @@ from gateway.store.errors import InvalidValue
 from gateway.store.packing import pack_f32, pack_i32, unpack_f32, unpack_i32
 
 
-def session_from_row(row: Mapping[str, Any], *, api_key: str | None = None) -> SessionRecord:
+def session_from_row(row: Mapping[Any, Any], *, api_key: str | None = None) -> SessionRecord:
     return SessionRecord(
         id=row["id"],
         api_key=api_key,
@@ -68,7 +68,7 @@ def interaction_to_row(it: Interaction) -> dict[str, Any]:
         raise InvalidValue(f"interaction {it.id}: token arrays must be int32/float32 numbers: {exc}") from exc
 
 
-def interaction_from_row(row: Mapping[str, Any]) -> Interaction:
+def interaction_from_row(row: Mapping[Any, Any]) -> Interaction:
     return Interaction(
         id=row["id"],
         session_id=row["session_id"],
@@ -90,7 +90,7 @@ def interaction_from_row(row: Mapping[str, Any]) -> Interaction:
     )
 
 
-def reward_from_row(row: Mapping[str, Any]) -> RewardRecord:
+def reward_from_row(row: Mapping[Any, Any]) -> RewardRecord:
     return RewardRecord(
         id=row["id"],
         session_id=row["session_id"],
