@@ -1,0 +1,85 @@
+"""A weight push through the gateway's admin API while a request is in flight.
+
+The gateway pauses the engines (the in-flight generation is aborted and held), the trainer updates the
+weights, the gateway resumes with the new version and re-sends the held request as prompt + partial
+output. The agent sees one normal reply; the recorded turn carries tokens of both versions, and each
+token's logprob is the one of the weights that generated it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from gateway.store import Store
+from tests.trainer.conftest import trainer_logprobs
+from trainer.model import load_model
+from trainer.weight_sync import DiskSync, GatewayControl, push_weights
+
+
+async def _turns(db: str, session_id: str):
+    store = await Store.open(db, migrate=False)
+    try:
+        return await store.session_interactions(session_id=session_id)
+    finally:
+        await store.close()
+
+
+@pytest.mark.slow
+def test_request_in_flight_during_a_push_completes_with_tokens_of_both_versions(
+        gateway_factory, tiny_model_dir, dist_info, tmp_path):
+    gw = gateway_factory()
+    model = load_model(tiny_model_dir)
+    session = gw.create_session(group_id="inflight")
+    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0, timeout=300)
+    result: dict = {}
+
+    def agent() -> None:
+        result["reply"] = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
+            max_tokens=400, temperature=1.0, seed=5)
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    with gw.admin() as admin:  # wait until the generation is running on the engine
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(e["in_flight"] for e in admin.get("/admin/engines").json()["engines"]):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the request never reached the engine")
+    time.sleep(1.0)  # let it generate some tokens under version 0
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    http = httpx.Client(timeout=120)
+    push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
+                 control=GatewayControl(gw.base_url, gw.admin_key, client=http))
+    thread.join(timeout=240)
+    assert not thread.is_alive()
+    reply = result["reply"]
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+    (turn,) = asyncio.run(_turns(gw.db, session["session_id"]))
+    versions = list(turn.output_versions)
+    assert versions[0] == 0 and versions[-1] == 1, versions
+    assert versions == sorted(versions)  # one switch, from 0 to 1
+    switch = versions.index(1)
+    assert 0 < switch < len(versions)
+    prompt, output = list(turn.prompt_ids), list(turn.output_ids)
+    recorded = torch.tensor(turn.output_logprobs)
+    new = trainer_logprobs(model, prompt, output)
+    old = trainer_logprobs(load_model(tiny_model_dir), prompt, output)  # version 0 = the tiny model's weights
+    assert (recorded[:switch] - old[:switch]).abs().max() < 1e-4
+    assert (recorded[switch:] - new[switch:]).abs().max() < 1e-4
+    with gw.admin() as admin:
+        assert admin.get("/admin/weight_version").json()["weight_version"] == 1
