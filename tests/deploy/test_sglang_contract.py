@@ -232,6 +232,76 @@ async def test_router_resumes_an_aborted_generation_with_the_new_version():
 
 
 # ------------------------------------------------------------------------------------------------------
+# 1b. the trainer's weight-sync client against the fixtures
+# ------------------------------------------------------------------------------------------------------
+
+# request fields of SGLang's UpdateWeightFromDiskReqInput / UpdateWeightsFromDistributedReqInput /
+# InitWeightsUpdateGroupReqInput (io_struct.py, 0.5.x)
+DISK_FIELDS = {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
+               "keep_pause", "recapture_cuda_graph", "flush_cache"}
+DISTRIBUTED_FIELDS = {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+                      "weight_version", "load_format"}
+TORCH_DTYPE_NAMES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "uint8", "bool"}
+
+
+def test_trainer_disk_push_speaks_sglang(tmp_path):
+    weight_sync = pytest.importorskip("trainer.weight_sync")
+    with httpx.Client() as http, respx.mock:
+        route = respx.post(f"{BASE}/update_weights_from_disk").mock(
+            return_value=response_of(fixture("update_weights_from_disk_ok")))
+        sync = weight_sync.DiskSync(sync_dir=tmp_path, source_dir=tmp_path, client=http)
+        updated: list[str] = []
+        sync.send([BASE], 3, tmp_path / "v3", updated)
+        assert updated == [BASE]
+        body = json.loads(route.calls.last.request.content)
+        assert set(body) <= DISK_FIELDS
+        assert body == {"model_path": str(tmp_path / "v3"), "weight_version": "3"}  # the version as a string
+
+        route.mock(return_value=response_of(fixture("update_weights_from_disk_fail")))
+        with pytest.raises(weight_sync.WeightSyncError, match="400.*Failed to get weights iterator"):
+            sync.send([BASE], 4, tmp_path / "v4", [])
+
+
+def test_trainer_broadcast_bucket_speaks_sglang():
+    weight_sync = pytest.importorskip("trainer.weight_sync")
+    import torch
+
+    bucket = [("model.embed_tokens.weight", torch.zeros(8, 4, dtype=torch.bfloat16)),
+              ("model.norm.weight", torch.ones(4))]
+    broadcasts: list[list[Any]] = []
+    with httpx.Client() as http, respx.mock:
+        route = respx.post(f"{BASE}/update_weights_from_distributed").mock(
+            return_value=response_of(fixture("update_weights_from_distributed_ok")))
+        sync = weight_sync.BroadcastSync(client=http, bucket_bytes=1 << 20)
+        # the tensor side (NCCL/gloo broadcast) is recorded here; the HTTP side is SGLang's route
+        error = sync._send_bucket(bucket, [BASE], 5, lambda group, tensors, src: broadcasts.append(tensors))
+        assert error is None and len(broadcasts) == 1
+        body = json.loads(route.calls.last.request.content)
+        assert set(body) <= DISTRIBUTED_FIELDS
+        assert body["names"] == ["model.embed_tokens.weight", "model.norm.weight"]
+        assert body["dtypes"] == ["bfloat16", "float32"] and set(body["dtypes"]) <= TORCH_DTYPE_NAMES
+        assert body["shapes"] == [[8, 4], [4]]
+        assert body["weight_version"] == "5" and body["group_name"] == "weight_update_group"
+
+        route.mock(return_value=response_of(fixture("update_weights_from_distributed_fail")))
+        error = sync._send_bucket(bucket, [BASE], 6, lambda group, tensors, src: None)
+        assert error is not None and "Failed to update parameter online" in error
+
+
+def test_trainer_direct_pause_and_continue_speak_sglang():
+    weight_sync = pytest.importorskip("trainer.weight_sync")
+    with httpx.Client() as http, respx.mock:
+        pause = respx.post(f"{BASE}/pause_generation").mock(return_value=response_of(fixture("pause_generation")))
+        cont = respx.post(f"{BASE}/continue_generation").mock(
+            return_value=response_of(fixture("continue_generation")))
+        control = weight_sync.DirectControl([BASE], client=http)
+        control.pause()
+        control.resume(2)
+    assert json.loads(pause.calls.last.request.content)["mode"] in ("abort", "retract", "in_place")
+    assert json.loads(cont.calls.last.request.content) == {}
+
+
+# ------------------------------------------------------------------------------------------------------
 # 2. the embedded engine's real responses against the fixtures
 # ------------------------------------------------------------------------------------------------------
 
