@@ -14,6 +14,7 @@ padded keys, masked out, differ.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,11 @@ class Batch:
     @property
     def length(self) -> int:
         return int(self.mask.shape[1])
+
+
+def _cache_kwarg(model) -> str:
+    """transformers 5 calls the KV cache argument ``cache``; earlier releases ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _layers(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -65,9 +71,9 @@ def prefill(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        cache=cache,
         use_cache=True,
         logits_to_keep=0 if all_logits else 1,
+        **{_cache_kwarg(model): cache},
     )
     batch = Batch(cache, mask, torch.zeros(len(prompts), dtype=torch.long, device=device))
     logits = out.logits if all_logits else out.logits[:, -1, :]
@@ -119,8 +125,8 @@ def decode(model, batch: Batch) -> torch.Tensor:
         input_ids=batch.pending[:, None],
         attention_mask=mask,
         position_ids=positions,
-        cache=batch.cache,
         use_cache=True,
+        **{_cache_kwarg(model): batch.cache},
     )
     batch.mask = mask
     return out.logits[:, -1, :]

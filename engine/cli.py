@@ -43,5 +43,7 @@ def run(args: argparse.Namespace) -> int:
         f"context {engine.context_length}, listening on http://{settings.host}:{settings.port}",
         flush=True,
     )
-    uvicorn.run(create_app(engine), host=settings.host, port=settings.port, log_level=settings.log_level)
+    # On SIGTERM, give in-flight requests a few seconds, then stop (they would otherwise hold shutdown).
+    uvicorn.run(create_app(engine), host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=5)
     return 0

@@ -45,6 +45,14 @@ class GenerateInput:
     return_text_in_logprobs: bool
 
 
+def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, snap: Snapshot) -> None:
+    """Hand a snapshot from the scheduler thread to the request's event loop."""
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, snap)
+    except RuntimeError:  # the loop is closed (server shutting down); nobody is waiting any more
+        pass
+
+
 def parse_weight_version(value: Any) -> int | None:
     """SGLang sends the version as a string; the embedded engine keeps integers."""
     if value is None:
@@ -107,6 +115,9 @@ class Engine:
             raise InvalidRequest(
                 f"The input ({len(input_ids)} tokens) is longer than the model's context length ({self.context_length} tokens)."
             )
+        explicit = (body.sampling_params or {}).get("max_new_tokens") is not None
+        if not explicit:  # like SGLang, the default is clipped to the room left in the context
+            params.max_new_tokens = min(params.max_new_tokens, self.context_length - len(input_ids))
         if len(input_ids) + params.max_new_tokens > self.context_length:
             raise InvalidRequest(
                 f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens: "
@@ -138,7 +149,7 @@ class Engine:
             rid=inp.rid,
             input_ids=inp.input_ids,
             params=inp.params,
-            on_update=lambda snap: loop.call_soon_threadsafe(queue.put_nowait, snap),
+            on_update=lambda snap: _deliver(loop, queue, snap),
             stream=inp.stream,
             return_logprob=inp.return_logprob,
             top_logprobs_num=inp.top_logprobs_num,

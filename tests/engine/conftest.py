@@ -50,13 +50,15 @@ def engine_process(*extra: str, startup_timeout: float = 120.0) -> Iterator[str]
         log.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine_url() -> Iterator[str]:
+    """One tiny engine for all engine tests (start-up dominates their cost on a shared 2-core machine).
+    Tests that change its weights restore the original ones before they end."""
     with engine_process() as url:
         yield url
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir):
     """The same tiny model in this process, for reference forward passes."""
     import torch

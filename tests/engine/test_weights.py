@@ -14,16 +14,15 @@ import pytest
 import torch
 
 from tests.conftest import REPO
-from tests.engine.conftest import engine_process, reference_logprobs
+from tests.engine.conftest import reference_logprobs
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 30, 2, 198, 1, 4093]
 EOS = 2  # <|im_end|>
 
 
 @pytest.fixture(scope="module")
-def url():
-    with engine_process() as base:
-        yield base
+def url(engine_url):
+    return engine_url
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +75,7 @@ def update_from_disk(url: str, path, **extra) -> httpx.Response:
 
 def test_refused_updates_keep_the_old_weights(url, tmp_path, other_shape_dir, tiny_model_dir):
     before = greedy(url)
-    assert version(url) == "0"
+    start = version(url)
     missing = update_from_disk(url, tmp_path / "nope")
     assert missing.status_code == 400
     assert missing.json()["success"] is False and "not a directory" in missing.json()["message"]
@@ -86,7 +85,7 @@ def test_refused_updates_keep_the_old_weights(url, tmp_path, other_shape_dir, ti
     assert wrong.status_code == 400 and "shape mismatch" in wrong.json()["message"]
     bad_version = update_from_disk(url, tiny_model_dir, weight_version="v-next")
     assert bad_version.status_code == 400 and "integer versions" in bad_version.json()["message"]
-    assert version(url) == "0"
+    assert version(url) == start
     assert greedy(url)["output_ids"] == before["output_ids"]
 
 
@@ -94,13 +93,14 @@ def test_update_from_disk_changes_outputs_bumps_the_version_and_stops_on_eos(url
     from transformers import AutoModelForCausalLM
 
     before = greedy(url)
+    start = int(version(url))
     ok = update_from_disk(url, eos_model_dir)
     assert ok.status_code == 200 and ok.json()["success"] is True
-    assert version(url) == "1"
+    assert version(url) == str(start + 1)
     after = greedy(url)
     assert after["output_ids"] == [EOS]
     assert after["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
-    assert after["meta_info"]["weight_version"] == "1" and after["text"] == ""
+    assert after["meta_info"]["weight_version"] == str(start + 1) and after["text"] == ""
     # ignore_eos keeps going; logprobs match the new weights
     cont = greedy(url, ignore_eos=True)
     assert cont["output_ids"] == [EOS] * 6 and cont["meta_info"]["finish_reason"]["type"] == "length"
@@ -165,3 +165,4 @@ def test_broadcast_update_from_a_trainer_process(url, tiny_model_dir, tmp_path):
     destroy = {"group_name": "test_group"}
     assert httpx.post(url + "/destroy_weights_update_group", json=destroy).json()["success"] is True
     assert httpx.post(url + "/destroy_weights_update_group", json=destroy).json()["success"] is False
+    assert update_from_disk(url, tiny_model_dir).json()["success"] is True  # restore for other tests
