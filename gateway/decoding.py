@@ -85,7 +85,7 @@ class ChoiceDecoder:
 
     def _visible(self, gen: Generation, final: bool) -> int:
         ids = gen.output_ids
-        if final and gen.finish == "stop" and ids and ids[-1] in self.stop_token_ids:
+        if ids and ids[-1] in self.stop_token_ids and (gen.finish == "stop" or not final):
             return len(ids) - 1
         return len(ids)
 

@@ -274,6 +274,7 @@ class EngineRouter:
         self._pause_epoch = 0
         self.weight_version = 0
         self.held = 0  # generations waiting for resume
+        self.version_mismatches = 0  # segments whose engine reported a different weight version
         self._health_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle and health ----
@@ -397,7 +398,7 @@ class EngineRouter:
             gen.engine_url = state.client.base_url
             gen.segments += 1
             base = len(gen.output_ids)
-            fallback_version = self.weight_version
+            segment_version = self.weight_version
             segment_ids = input_ids + gen.output_ids if base else input_ids
             state.in_flight += 1
             last: EngineOutput | None = None
@@ -405,12 +406,12 @@ class EngineRouter:
                 if stream:
                     async for out in state.client.generate_stream(segment_ids, params, remaining):
                         last = out
-                        self._merge(gen, base, out, fallback_version)
+                        self._merge(gen, base, out, segment_version)
                         if out.finish is None or out.finish != "abort":
                             yield gen
                 else:
                     last = await state.client.generate(segment_ids, params, remaining)
-                    self._merge(gen, base, last, fallback_version)
+                    self._merge(gen, base, last, segment_version)
             except EngineUnavailable as exc:
                 self._mark_failed(state, exc)
                 excluded.add(index)
@@ -434,9 +435,12 @@ class EngineRouter:
                 yield gen
             return
 
-    @staticmethod
-    def _merge(gen: Generation, base: int, out: EngineOutput, fallback_version: int) -> None:
-        version = out.weight_version if out.weight_version is not None else fallback_version
+    def _merge(self, gen: Generation, base: int, out: EngineOutput, version: int) -> None:
+        # Tokens are tagged with the gateway's version at the time the segment was sent: the trainer sets
+        # it on resume after pushing weights, while engines were paused. An engine that reports another
+        # integer version (a push that did not reach it) is counted, not trusted.
+        if out.weight_version is not None and out.weight_version != version:
+            self.version_mismatches += 1
         del gen.output_ids[base:], gen.logprobs[base:], gen.versions[base:], gen.top_logprobs[base:]
         gen.output_ids.extend(out.output_ids)
         gen.logprobs.extend(out.logprobs)

@@ -1,0 +1,420 @@
+"""The gateway in-process (``httpx.ASGITransport``), driven by the real ``openai`` SDK.
+
+The upstream is ``gateway.standin`` reached through ``httpx.ASGITransport``: it speaks SGLang's native wire
+format and returns the real tokenizer's ids of scripted replies (a protocol-boundary fake: a random tiny
+model cannot be made to emit tool calls). Recording goes to a real SQLite store.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app, load_tokenizer
+from gateway.settings import GatewaySettings
+from gateway.standin import build_app
+from gateway.store import Store
+
+ADMIN, AGENT = "admin-k", "agent-k"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_ROME = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(tiny_model_dir)
+
+
+class Gw:
+    def __init__(self, app: Any, http: httpx.AsyncClient, store: Store, engine: "FlakyTransport") -> None:
+        self.app, self.http, self.store, self.engine = app, http, store, engine
+
+    @property
+    def svc(self) -> Any:
+        return self.app.state.services
+
+    def sdk(self, key: str = AGENT, base: str = "/v1") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"http://gw{base}", api_key=key, http_client=self.http, max_retries=0)
+
+    async def post(self, path: str, body: Any = None, key: str | None = AGENT, raw: bytes | None = None,
+                   ) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if raw is not None:
+            return await self.http.post(path, content=raw, headers={**headers, "Content-Type": "application/json"})
+        return await self.http.post(path, json=body, headers=headers)
+
+    async def session(self, **body: Any) -> dict[str, Any]:
+        resp = await self.post("/v1/sessions", body, key=ADMIN)
+        assert resp.status_code == 200, resp.text
+        return resp.json()  # type: ignore[no-any-return]
+
+
+class FlakyTransport(httpx.AsyncBaseTransport):
+    """The stand-in engine over ASGI, with a switch that makes it unreachable (connection refused)."""
+
+    def __init__(self, app: Any) -> None:
+        self.inner = httpx.ASGITransport(app=app)
+        self.down = False
+        self.generate_calls = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/generate":
+            self.generate_calls += 1
+        if self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.fixture
+def make_gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> Callable[..., Any]:
+    @asynccontextmanager
+    async def make(replies: list[str], **overrides: Any) -> AsyncIterator[Gw]:
+        engine = FlakyTransport(build_app(str(tiny_model_dir), replies, tokenizer=tokenizer))
+        settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
+                                   admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600, **overrides)
+        settings.validate()
+        async with httpx.AsyncClient(transport=engine) as engine_http:
+            app = create_app(settings, http=engine_http, tokenizer=tokenizer)
+            async with app.router.lifespan_context(app):
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
+                                             timeout=30) as http:
+                    yield Gw(app, http, app.state.services.store, engine)
+    return make
+
+
+def assistant(msg: Any) -> dict[str, Any]:
+    return msg.model_dump(exclude_none=True)  # what an SDK user sends back
+
+
+async def interactions(gw: Gw, session_id: str) -> list[Any]:
+    return await gw.store.session_interactions(session_id=session_id)
+
+
+# --------------------------------------------------------------------------------------------- recording
+
+
+async def test_three_turns_with_tool_call_are_stitched_token_exact(make_gw: Any) -> None:
+    async with make_gw([CALL_PARIS, "It is sunny in Paris.", "You are welcome!"]) as gw:
+        sess = await gw.session(group_id="g1")
+        client = gw.sdk(key=sess["api_key"])
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are helpful."},
+                                      {"role": "user", "content": "Weather in Paris?"}]
+        r1 = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=64)
+        call = r1.choices[0].message.tool_calls[0]
+        assert r1.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+        msgs += [assistant(r1.choices[0].message), {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        r2 = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=64)
+        assert r2.choices[0].message.content == "It is sunny in Paris."
+        msgs += [assistant(r2.choices[0].message), {"role": "user", "content": "Thanks!"}]
+        r3 = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=64)
+        assert r3.choices[0].finish_reason == "stop"
+
+        turns = {t.id: t for t in await interactions(gw, sess["session_id"])}
+        t1, t2, t3 = turns[r1.id], turns[r2.id], turns[r3.id]
+        assert (t1.parent_id, t2.parent_id, t3.parent_id) == (None, t1.id, t2.id)
+        assert t1.root_reason == "first_turn" and t2.root_reason is None and t3.root_reason is None
+        template = gw.svc.template
+        for parent, child, upto in ((t1, t2, 4), (t2, t3, 6)):
+            parent_full = await gw.store.full_sequence(interaction_id=parent.id)
+            child_prompt = parent_full + child.prompt_ids
+            # the child's prompt starts with exactly the parent's prompt + output tokens
+            parent_prompt = parent_full[: len(parent_full) - len(parent.output_ids)]
+            assert child_prompt[: len(parent_full)] == parent_prompt + parent.output_ids
+            assert child.bridge_len == 0
+            # and, for this template (renders history stably), equals a full re-render
+            assert child_prompt == template.render(msgs[:upto], TOOLS)
+        assert t1.prompt_ids == template.render(msgs[:2], TOOLS)
+        # only the new messages are stored with a child
+        assert [m["role"] for m in t2.request["messages"]] == ["tool"]
+        assert [m["role"] for m in t3.request["messages"]] == ["user"]
+        assert t1.output_versions == [0] * len(t1.output_ids)
+        assert t1.output_logprobs == pytest.approx([-0.25] * len(t1.output_ids))
+
+
+async def test_two_parallel_tool_calls_come_back_streamed_and_not(make_gw: Any) -> None:
+    async with make_gw([CALL_PARIS + "\n" + CALL_ROME]) as gw:
+        client = gw.sdk()
+        msgs = [{"role": "user", "content": "Weather in Paris and Rome?"}]
+        r = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=100)
+        calls = r.choices[0].message.tool_calls
+        assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+        assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+
+        stream = await client.chat.completions.create(model="m", messages=msgs, tools=TOOLS, max_tokens=100,
+                                                      stream=True)
+        got: dict[int, Any] = {}
+        finish = None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                for tc in choice.delta.tool_calls or []:
+                    got[tc.index] = tc
+                finish = choice.finish_reason or finish
+        assert [json.loads(got[i].function.arguments)["city"] for i in sorted(got)] == ["Paris", "Rome"]
+        assert finish == "tool_calls"
+        turn = await gw.store.get_interaction(interaction_id=r.id)
+        assert len(turn.response_message["tool_calls"]) == 2
+
+
+async def test_streaming_records_the_same_as_non_streaming(make_gw: Any) -> None:
+    async with make_gw(["Hello there, how are you?"]) as gw:
+        client = gw.sdk()
+        msgs = [{"role": "user", "content": "hi"}]
+        plain = await client.chat.completions.create(model="m", messages=msgs, max_tokens=50, logprobs=True)
+        stream = await client.chat.completions.create(model="m", messages=msgs, max_tokens=50, logprobs=True,
+                                                      stream=True, stream_options={"include_usage": True})
+        text, ids, usage, lps = "", set(), None, []
+        async for chunk in stream:
+            ids.add(chunk.id)
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                lps += [e.logprob for e in (choice.logprobs.content if choice.logprobs else [])]
+        assert text == plain.choices[0].message.content == "Hello there, how are you?"
+        assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+        assert lps == [e.logprob for e in plain.choices[0].logprobs.content]
+        (sid,) = ids
+        a = await gw.store.get_interaction(interaction_id=plain.id)
+        b = await gw.store.get_interaction(interaction_id=sid)
+        for attr in ("prompt_ids", "output_ids", "output_logprobs", "output_versions", "finish_reason",
+                     "response_message", "chain_hash", "request_hash"):
+            assert getattr(a, attr) == getattr(b, attr), attr
+
+
+async def test_n4_makes_four_siblings_and_retry_makes_two(make_gw: Any) -> None:
+    async with make_gw(["first answer", "second answer", "third", "fourth", "A", "B", "C"]) as gw:
+        sess = await gw.session()
+        client = gw.sdk(key=sess["api_key"])
+        base = [{"role": "user", "content": "q"}]
+        r = await client.chat.completions.create(model="m", messages=base, n=4, max_tokens=20, seed=3)
+        ids = [c.model_extra["response_id"] for c in r.choices]
+        assert r.id == ids[0] and len(set(ids)) == 4
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        turns = {t.id: t for t in await interactions(gw, sess["session_id"])}
+        assert set(turns) == set(ids)
+        assert all(turns[i].parent_id is None for i in ids)
+        assert [turns[i].request["params"]["seed"] for i in ids] == [3, 4, 5, 6]
+        # continue choice 2: its turn is the parent
+        follow = base + [assistant(r.choices[2].message), {"role": "user", "content": "more"}]
+        a = await client.chat.completions.create(model="m", messages=follow, max_tokens=20)
+        b = await client.chat.completions.create(model="m", messages=follow, max_tokens=20)  # a retry
+        ta, tb = [await gw.store.get_interaction(interaction_id=x.id) for x in (a, b)]
+        assert ta.parent_id == tb.parent_id == ids[2]
+        assert ta.request_hash == tb.request_hash and ta.id != tb.id
+        # continuing the retried one extends only it
+        c = await client.chat.completions.create(
+            model="m", messages=follow + [assistant(b.choices[0].message), {"role": "user", "content": "ok"}],
+            max_tokens=20)
+        tc = await gw.store.get_interaction(interaction_id=c.id)
+        assert tc.parent_id == tb.id
+
+
+async def test_stop_string_cuts_text_and_child_gets_bridge(make_gw: Any) -> None:
+    async with make_gw(["Hello! How can I help you today?", "Fine."]) as gw:
+        client = gw.sdk()
+        msgs = [{"role": "user", "content": "hi"}]
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=50, stop=["help"])
+        assert r.choices[0].message.content == "Hello! How can I "
+        assert r.choices[0].finish_reason == "stop"
+        t = await gw.store.get_interaction(interaction_id=r.id)
+        tok = gw.svc.tokenizer
+        assert "help" in tok.decode(t.output_ids) and "help" not in tok.decode(t.output_ids[:-1])
+        r2 = await client.chat.completions.create(
+            model="m", messages=msgs + [assistant(r.choices[0].message), {"role": "user", "content": "?"}],
+            max_tokens=50)
+        t2 = await gw.store.get_interaction(interaction_id=r2.id)
+        assert t2.parent_id == t.id and t2.bridge_len == 1
+        assert t2.prompt_ids[0] == gw.svc.template.end_of_turn_ids[0]
+
+
+async def test_length_cut_parent_gets_bridge_and_streamed_stop(make_gw: Any) -> None:
+    async with make_gw(["one two three four five six", "x"]) as gw:
+        client = gw.sdk()
+        msgs = [{"role": "user", "content": "count"}]
+        r = await client.chat.completions.create(model="m", messages=msgs, max_tokens=3)
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+        r2 = await client.chat.completions.create(
+            model="m", messages=msgs + [assistant(r.choices[0].message), {"role": "user", "content": "go on"}],
+            max_tokens=5)
+        t2 = await gw.store.get_interaction(interaction_id=r2.id)
+        assert t2.bridge_len == 1 and t2.parent_id == r.id
+        # a stop string found while streaming ends the stream with finish "stop"
+        stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "s"}],
+                                                      max_tokens=50, stop=["four"], stream=True)
+        text, finish = "", None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        assert text == "one two three " and finish == "stop"  # the third call gets the first reply again
+
+
+async def test_completions_prompt_text_and_ids_recorded_as_roots(make_gw: Any) -> None:
+    async with make_gw(["Paris"]) as gw:
+        sess = await gw.session()
+        client = gw.sdk(key=sess["api_key"])
+        r = await client.completions.create(model="m", prompt="The capital of France is", max_tokens=10)
+        assert r.choices[0].text == "Paris" and r.object == "text_completion"
+        ids = gw.svc.tokenizer.encode(" hello", add_special_tokens=False)
+        r2 = await client.completions.create(model="m", prompt=ids, max_tokens=10, logprobs=1)
+        assert r2.choices[0].logprobs.token_logprobs[0] == pytest.approx(-0.25)
+        turns = {t.id: t for t in await interactions(gw, sess["session_id"])}
+        assert turns[r2.id].prompt_ids == ids and turns[r2.id].parent_id is None
+        assert {t.root_reason for t in turns.values()} == {"completion"}
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+
+
+# --------------------------------------------------------------------------------------------- sessions
+
+
+async def test_session_binding_by_key_by_url_and_implicit(make_gw: Any) -> None:
+    async with make_gw(["a", "b", "c", "d", "e", "f"]) as gw:
+        s1, s2 = await gw.session(task_id="t"), await gw.session()
+        assert s1["base_url"].endswith(f"/sessions/{s1['session_id']}/v1")
+        msgs = [{"role": "user", "content": "hi"}]
+        by_url = gw.sdk(key=AGENT, base=f"/sessions/{s1['session_id']}/v1")
+        r = await by_url.chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        assert (await gw.store.get_interaction(interaction_id=r.id)).session_id == s1["session_id"]
+        # a session key on another session's URL: 403
+        foreign = gw.sdk(key=s2["api_key"], base=f"/sessions/{s1['session_id']}/v1")
+        with pytest.raises(openai.PermissionDeniedError):
+            await foreign.chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        with pytest.raises(openai.AuthenticationError):
+            await gw.sdk(key="nope").chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        # implicit: two roots with the same prompt are two episodes in one group; a follow-up joins its own
+        imp = gw.sdk(key=AGENT)
+        a = await imp.chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        b = await imp.chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        ta, tb = [await gw.store.get_interaction(interaction_id=x.id) for x in (a, b)]
+        assert ta.session_id != tb.session_id
+        sa, sb = [await gw.store.get_session(session_id=t.session_id) for t in (ta, tb)]
+        assert sa.group_id == sb.group_id
+        c = await imp.chat.completions.create(
+            model="m", messages=msgs + [assistant(b.choices[0].message), {"role": "user", "content": "go"}],
+            max_tokens=5)
+        tc = await gw.store.get_interaction(interaction_id=c.id)
+        assert tc.parent_id == tb.id and tc.session_id == tb.session_id
+        # finish: no more turns (409); the tree is served
+        resp = await gw.post(f"/v1/sessions/{s1['session_id']}/finish", {}, key=ADMIN)
+        assert resp.status_code == 200 and resp.json()["status"] == "finished"
+        with pytest.raises(openai.ConflictError):
+            await gw.sdk(key=s1["api_key"]).chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        tree = (await gw.http.get(f"/v1/sessions/{s1['session_id']}",
+                                  headers={"Authorization": f"Bearer {ADMIN}"})).json()
+        assert tree["num_interactions"] == 1 and tree["roots"][0]["id"] == r.id
+        # only the admin creates sessions
+        assert (await gw.post("/v1/sessions", {}, key=AGENT)).status_code == 403
+
+
+async def test_rewards(make_gw: Any) -> None:
+    async with make_gw(["a"]) as gw:
+        sess = await gw.session()
+        r = await gw.sdk(key=sess["api_key"]).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        ok = await gw.post("/reward", {"response_id": r.id, "reward": 1.5})
+        assert ok.status_code == 200 and ok.json()["reward"] == 1.5
+        assert (await gw.store.get_interaction(interaction_id=r.id)).reward == 1.5
+        assert (await gw.post("/reward", {"session_id": sess["session_id"], "reward": 0})).status_code == 200
+        for raw in (b'{"response_id": "%s", "reward": NaN}', b'{"response_id": "%s", "reward": Infinity}',
+                    b'{"response_id": "%s", "reward": -Infinity}', b'{"response_id": "%s", "reward": "1.0"}',
+                    b'{"response_id": "%s", "reward": true}', b'{"response_id": "%s"}'):
+            resp = await gw.post("/reward", raw=raw % r.id.encode())
+            assert resp.status_code == 400, raw
+            assert resp.json()["error"]["type"] == "invalid_request_error"
+        resp = await gw.post("/reward", {"response_id": "chatcmpl-unknown", "reward": 1})
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
+        assert (await gw.post("/reward", {"session_id": "nope", "reward": 1})).status_code == 404
+        await gw.store.set_session_status(session_id=sess["session_id"], status="consumed")
+        assert (await gw.post("/reward", {"response_id": r.id, "reward": 2})).status_code == 409
+        assert (await gw.store.get_interaction(interaction_id=r.id)).reward == 1.5
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+async def test_bad_inputs_get_openai_errors_and_record_nothing(make_gw: Any) -> None:
+    async with make_gw(["a"], max_body_bytes=20_000) as gw:
+        sess = await gw.session()
+        key = sess["api_key"]
+        ok_msgs = [{"role": "user", "content": "hi"}]
+        cases: list[tuple[Any, int, str | None]] = [
+            (b'{"messages": [', 400, "invalid_json"),
+            (b'[1, 2]', 400, "invalid_type"),
+            ({"messages": "hello"}, 400, None),
+            ({"messages": []}, 400, None),
+            ({"messages": [{"role": "wizard", "content": "x"}]}, 400, None),
+            ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c1",
+                                                                "content": "r"}]}, 400, None),
+            ({"messages": ok_msgs, "max_tokens": "ten"}, 400, "invalid_type"),
+            ({"messages": ok_msgs, "temperature": 7}, 400, None),
+            ({"messages": ok_msgs, "n": 0}, 400, None),
+            ({"messages": ok_msgs, "n": 1000}, 400, None),
+            ({"messages": [{"role": "user", "content": "word " * 3000}]}, 400, "context_length_exceeded"),
+            ({"messages": [{"role": "user", "content": "x" * 30_000}]}, 413, "payload_too_large"),
+        ]
+        for body, status, code in cases:
+            if isinstance(body, bytes):
+                resp = await gw.post("/v1/chat/completions", key=key, raw=body)
+            else:
+                resp = await gw.post("/v1/chat/completions", {"model": "m", **body}, key=key)
+            assert resp.status_code == status, (body if isinstance(body, bytes) else str(body)[:80], resp.text)
+            err = resp.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+            if code:
+                assert err["code"] == code, err
+        bad_role = await gw.post("/v1/chat/completions",
+                                 {"messages": [{"role": "wizard", "content": "x"}]}, key=key)
+        assert bad_role.json()["error"]["param"] == "messages[0].role"
+        # an unknown OpenAI field is accepted (and counted)
+        ok = await gw.post("/v1/chat/completions", {"messages": ok_msgs, "max_tokens": 3,
+                                                    "some_future_field": {"x": 1}}, key=key)
+        assert ok.status_code == 200, ok.text
+        metrics = (await gw.http.get("/metrics")).text
+        assert 'agentrl_gateway_unknown_fields_total{field="some_future_field"} 1.0' in metrics
+        assert (await gw.post("/v1/chat/completions", {"messages": ok_msgs}, key=None)).status_code == 401
+        # engine down: 503, nothing recorded
+        gw.engine.down = True
+        down = await gw.post("/v1/chat/completions", {"messages": ok_msgs, "max_tokens": 3}, key=key)
+        assert down.status_code == 503 and down.json()["error"]["code"] == "engine_unavailable"
+        down_stream = await gw.post("/v1/chat/completions", {"messages": ok_msgs, "max_tokens": 3,
+                                                             "stream": True}, key=key)
+        assert down_stream.status_code == 503
+        assert len(await interactions(gw, sess["session_id"])) == 1  # only the good request
+
+
+async def test_admin_api_and_metrics(make_gw: Any) -> None:
+    async with make_gw(["a"]) as gw:
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        engines = (await gw.http.get("/admin/engines", headers=headers)).json()
+        assert engines["engines"][0]["url"] == "http://engine" and engines["engines"][0]["healthy"]
+        assert (await gw.http.get("/admin/engines", headers={"Authorization": f"Bearer {AGENT}"})).status_code == 403
+        assert (await gw.post("/admin/pause", {}, key=ADMIN)).json()["paused"] is True
+        assert (await gw.post("/admin/resume", {"weight_version": 3}, key=ADMIN)).json()["weight_version"] == 3
+        assert (await gw.http.get("/admin/weight_version", headers=headers)).json() == {"weight_version": 3}
+        assert (await gw.post("/admin/resume", {"weight_version": "x"}, key=ADMIN)).status_code == 400
+        r = await gw.sdk().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=5)
+        turn = await gw.store.get_interaction(interaction_id=r.id)
+        assert set(turn.output_versions) == {3}
+        status = await gw.http.get("/admin/trainer", headers=headers)
+        assert status.status_code == 200 and "policy" in status.json()
+        bad = await gw.post("/admin/trainer", {"version": -1, "batch_size": 4, "staleness_bound": 1}, key=ADMIN)
+        assert bad.status_code == 400
+        health = await gw.http.get("/health")
+        assert health.status_code == 200 and health.json()["weight_version"] == 3
+        metrics = (await gw.http.get("/metrics")).text
+        assert 'agentrl_gateway_root_turns_total{reason="first_turn"} 1.0' in metrics
+        assert "agentrl_gateway_template_drift_total" in metrics
+        missing = await gw.http.get("/v1/nothing")
+        assert missing.status_code == 404 and "error" in missing.json()
