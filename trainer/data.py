@@ -220,11 +220,11 @@ def collate(rows: Sequence[Row], index: Sequence[int], advantages: torch.Tensor)
     for j, i in enumerate(index):
         row = rows[i]
         n = row.num_tokens
-        input_ids[j, :n] = torch.from_numpy(np.asarray(row.input_ids, dtype=np.int64))
+        input_ids[j, :n] = torch.from_numpy(np.array(row.input_ids, dtype=np.int64))  # copy: decoded rows are read-only views
         attention[j, :n] = 1
-        loss_mask[j, :n] = torch.from_numpy(np.asarray(row.loss_mask, dtype=np.float32))
-        behaviour[j, :n] = torch.from_numpy(np.asarray(row.logprobs, dtype=np.float32))
-        versions[j, :n] = torch.from_numpy(np.asarray(row.versions, dtype=np.int32))
+        loss_mask[j, :n] = torch.from_numpy(np.array(row.loss_mask, dtype=np.float32))  # copy: decoded rows are read-only views
+        behaviour[j, :n] = torch.from_numpy(np.array(row.logprobs, dtype=np.float32))  # copy: decoded rows are read-only views
+        versions[j, :n] = torch.from_numpy(np.array(row.versions, dtype=np.int32))  # copy: decoded rows are read-only views
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention,

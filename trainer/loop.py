@@ -31,8 +31,11 @@ from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, Gateway
 log = logging.getLogger("trainer")
 
 
-def train(settings: TrainerSettings) -> checkpoint.TrainerState:
-    """Run GRPO until ``settings.steps`` (or forever); returns the final trainer state."""
+def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> checkpoint.TrainerState:
+    """Run GRPO until ``settings.steps`` (or forever); returns the final trainer state.
+
+    ``http`` is the one HTTP client for the gateway and the engines (tests inject one with a mock transport).
+    """
     from engine.models import resolve_model
 
     if not settings.gateway:
@@ -48,8 +51,11 @@ def train(settings: TrainerSettings) -> checkpoint.TrainerState:
         checkpoint.load_optimizer(resume_from, model, optimizer)
         state = checkpoint.load_state(resume_from)
     seen = SeenRows.from_state(state.seen_rows)
-    leases = LeaseClient(settings.gateway, settings.admin_key) if info.is_main and settings.gateway else None
-    control, transport = build_sync(settings, model_dir, info)
+    http = http or httpx.Client(timeout=120.0)
+    leases = LeaseClient(settings.gateway, settings.admin_key, client=http) if info.is_main else None
+    control, transport = build_sync(settings, model_dir, info, http)
+    if control is None and info.is_main:  # no pushes, but the gateway's admission still needs the trainer
+        control = GatewayControl(settings.gateway, settings.admin_key, client=http)
     announce_trainer(control, settings, state.version, info)
     if resume_from is not None and transport is not None:  # engines may have restarted on the base weights
         push_weights(model, state.version, info=info, transport=transport, control=control,
@@ -99,13 +105,13 @@ def train(settings: TrainerSettings) -> checkpoint.TrainerState:
 # ------------------------------------------------------------------------------------------------ helpers
 
 
-def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo):
+def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo, client: httpx.Client):
     """(control, transport) for the configured sync mode; (None, None) for ``--sync-mode none``."""
     if settings.sync_mode == "none":
         return None, None
-    client = httpx.Client(timeout=120.0)
     if settings.gateway:
-        control = GatewayControl(settings.gateway, settings.admin_key, engine_urls=settings.engine_urls)
+        control = GatewayControl(settings.gateway, settings.admin_key, client=client,
+                                 engine_urls=settings.engine_urls)
     else:
         control = DirectControl(settings.engine_urls, client=client)
     if settings.sync_mode == "disk":

@@ -49,10 +49,11 @@ class WeightSyncError(RuntimeError):
     """A weight push failed after every retry; the engines keep serving the old version."""
 
 
-def _post(client: httpx.Client, url: str, body: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+def _post(client: httpx.Client, url: str, body: dict[str, Any], *, timeout: float | None = None,
+          headers: dict[str, str] | None = None) -> dict[str, Any]:
     """POST JSON; any transport error, non-2xx status or ``success: false`` raises WeightSyncError."""
     try:
-        resp = client.post(url, json=body, timeout=timeout)
+        resp = client.post(url, json=body, timeout=timeout or 120.0, headers=headers)
     except httpx.HTTPError as exc:
         raise WeightSyncError(f"POST {url} failed: {exc!r}") from exc
     try:
@@ -81,14 +82,14 @@ class GatewayControl:
                  engine_urls: Iterable[str] = ()) -> None:
         self.base = gateway.rstrip("/")
         self.client = client or httpx.Client(timeout=60.0)
-        self.client.headers["Authorization"] = f"Bearer {admin_key}"
+        self.headers = {"Authorization": f"Bearer {admin_key}"}
         self._engine_urls = list(engine_urls)
 
     def engines(self) -> list[str]:
         if self._engine_urls:
             return self._engine_urls
         try:
-            resp = self.client.get(f"{self.base}/admin/engines")
+            resp = self.client.get(f"{self.base}/admin/engines", headers=self.headers)
         except httpx.HTTPError as exc:
             raise WeightSyncError(f"cannot list engines at {self.base}/admin/engines: {exc!r}") from exc
         if resp.status_code != 200:
@@ -96,14 +97,15 @@ class GatewayControl:
         return parse_engines(resp.json())
 
     def pause(self) -> None:
-        _post(self.client, f"{self.base}/admin/pause", {})
+        _post(self.client, f"{self.base}/admin/pause", {}, headers=self.headers)
 
     def resume(self, version: int) -> None:
-        _post(self.client, f"{self.base}/admin/resume", {"weight_version": int(version)})
+        _post(self.client, f"{self.base}/admin/resume", {"weight_version": int(version)}, headers=self.headers)
 
     def register_trainer(self, version: int, batch_size: int, staleness_bound: int) -> None:
         _post(self.client, f"{self.base}/admin/trainer",
-              {"version": int(version), "batch_size": int(batch_size), "staleness_bound": int(staleness_bound)})
+              {"version": int(version), "batch_size": int(batch_size), "staleness_bound": int(staleness_bound)},
+              headers=self.headers)
 
 
 def parse_engines(body: Any) -> list[str]:

@@ -1,0 +1,131 @@
+"""The loop against a gateway faked at the HTTP boundary: acks, duplicates, checkpoints, resume, refusal."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from agentrl.settings import load
+from agentrl.trajectory import encode_batch
+from tests.trainer.helpers import synthetic_rows
+from trainer import checkpoint
+from trainer.config import TrainerSettings
+from trainer.loop import train
+from trainer.weight_sync import WeightSyncError
+
+
+class FakeGateway:
+    """Serves the given batches in order (then 204), records acks and admin calls; its one engine
+    (http://engine) refuses weight updates when ``refuse`` is set."""
+
+    def __init__(self, batches, refuse: bool = False):
+        self.batches = list(batches)
+        self.acked: list[str] = []
+        self.admin: list[tuple[str, dict]] = []
+        self.refuse = refuse
+        self.n = 0
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.host == "engine":
+            self.admin.append((request.url.path, json.loads(request.content or b"{}")))
+            if self.refuse:
+                return httpx.Response(400, json={"success": False, "message": "shape mismatch for lm_head"})
+            return httpx.Response(200, json={"success": True, "message": "ok"})
+        if request.url.path.startswith("/admin/"):
+            assert request.headers["authorization"] == "Bearer k"
+            self.admin.append((request.url.path, json.loads(request.content or b"{}")))
+            if request.url.path == "/admin/engines":
+                return httpx.Response(200, json={"engines": [{"url": "http://engine", "healthy": True}]})
+            return httpx.Response(200, json={})
+        if request.url.path == "/v1/trajectories":
+            if not self.batches:
+                return httpx.Response(204)
+            self.n += 1
+            rows = self.batches.pop(0)
+            return httpx.Response(200, content=encode_batch(rows, {"lease_id": f"lease-{self.n}"}))
+        if request.url.path == "/v1/trajectories/ack":
+            self.acked.append(json.loads(request.content)["lease_id"])
+            return httpx.Response(200, json={})
+        return httpx.Response(404)
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(transport=httpx.MockTransport(self.handler))
+
+
+def _settings(tmp_path, **kw):
+    base = dict(gateway="http://gw", admin_key="k", model="tiny", sync_mode="none", checkpoint_dir=str(tmp_path / "ckpt"),
+                lr=1e-3, group_size=3, batch_groups=2, micro_batch_tokens=4096, lease_wait_s=0.01, max_idle_s=0.05)
+    return load(TrainerSettings, env={}, **{**base, **kw})
+
+
+@pytest.mark.slow
+def test_train_acks_checkpoints_and_resume_continues_the_version(tmp_path, dist_info, tiny_model_dir):
+    first, second = synthetic_rows(2, 3, seed=1), synthetic_rows(2, 3, seed=2)
+    gw = FakeGateway([first, second])
+    state = train(_settings(tmp_path, steps=2, save_every=1), http=gw.client())
+    assert (state.step, state.version) == (2, 2)
+    assert gw.acked == ["lease-1", "lease-2"]
+    ckpt = checkpoint.latest(tmp_path / "ckpt")
+    assert ckpt.name == "step_000002"
+    assert json.loads((ckpt / "trainer_state.json").read_text())["version"] == 2
+    lines = (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines]
+    assert [m["version"] for m in metrics] == [1, 2]
+    for key in ("reward/mean", "adv/std", "actor/clip_frac", "actor/is_weight_mean", "actor/entropy",
+                "logprob_gap/mean", "perf/tokens_per_s", "adv/zero_var_groups"):
+        assert key in metrics[0]
+
+    # the checkpoint is a Hugging Face directory; the optimizer state comes back with it
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.equal(hf.model.embed_tokens.weight, base.model.embed_tokens.weight)
+
+    # resume: a re-delivered batch (the last one, as if its ack had been lost) is acked without training;
+    # a new batch continues the version count from 2
+    third = synthetic_rows(2, 3, seed=3)
+    gw2 = FakeGateway([second, third])
+    state = train(_settings(tmp_path, steps=3), http=gw2.client())
+    assert (state.step, state.version) == (3, 3)
+    assert gw2.acked == ["lease-1", "lease-2"]
+    metrics = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    assert metrics[-1]["batch/rows"] == 6
+
+
+def test_checkpoint_round_trip_restores_optimizer(tmp_path, dist_info, tiny_model_dir):
+    from trainer.model import load_model
+    from trainer.step import train_step
+
+    model = load_model(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    settings = _settings(tmp_path)
+    train_step(model, opt, synthetic_rows(2, 3), settings, dist_info, version=0)
+    state = checkpoint.TrainerState(step=1, version=1, seen_rows=["a"])
+    path = checkpoint.save(tmp_path / "c", state, model, opt, dist_info, source_dir=tiny_model_dir)
+    assert (path / "tokenizer.json").exists() and (path / "config.json").exists()
+
+    model2 = load_model(path)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    checkpoint.load_optimizer(path, model2, opt2)
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), model2.named_parameters()):
+        assert n1 == n2 and torch.equal(p1.full_tensor(), p2.full_tensor())
+        s1, s2 = opt.state[p1], opt2.state[p2]
+        assert torch.equal(s1["exp_avg"].full_tensor(), s2["exp_avg"].full_tensor())
+    assert checkpoint.load_state(path) == state
+
+
+def test_refused_push_stops_the_trainer_without_acking(tmp_path, dist_info):
+    gw = FakeGateway([synthetic_rows(2, 3, seed=4)], refuse=True)
+    with pytest.raises(WeightSyncError, match="version 1 failed after 2 attempt.*shape mismatch.*keep serving version 0"):
+        train(_settings(tmp_path, steps=1, sync_mode="disk", sync_retries=2), http=gw.client())
+    assert gw.acked == []
+    calls = [path for path, _ in gw.admin]
+    assert calls.count("/update_weights_from_disk") >= 2
+    # paused, then resumed on the old version
+    assert calls.index("/admin/pause") < calls.index("/update_weights_from_disk")
+    assert gw.admin[-1] == ("/admin/resume", {"weight_version": 0})
