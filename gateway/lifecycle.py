@@ -222,6 +222,7 @@ class TrajectoryService:
     """Export loop + queue + staleness: what the trajectory routes and the admin hook call."""
 
     LEADER_TTL_MS = 10_000
+    EXPORT_CONCURRENCY = 8
 
     def __init__(self, store: Store, settings: ExportSettings, *, inflight: InFlight | None = None) -> None:
         settings.validate()
@@ -303,11 +304,19 @@ class TrajectoryService:
         for s in live:
             if not s.is_eval:
                 groups[s.group_id].append(s)
+        chunks: list[tuple[list[SessionRecord], int]] = []
         for members in groups.values():
             members.sort(key=lambda s: (s.created_at, s.id))
             size = self._target_size(members[0])
-            for start in range(0, len(members), size):
-                await self._consider(members[start : start + size], size, now, busy)
+            chunks += [(members[i : i + size], size) for i in range(0, len(members), size)]
+        # Groups are independent: overlap their store round trips (bounded, to leave the pool to requests).
+        gate = asyncio.Semaphore(self.EXPORT_CONCURRENCY)
+
+        async def consider(chunk: list[SessionRecord], size: int) -> None:
+            async with gate:
+                await self._consider(chunk, size, now, busy)
+
+        await asyncio.gather(*(consider(chunk, size) for chunk, size in chunks))
         await self._upkeep()
 
     async def _maybe_finish_idle(self, s: SessionRecord, now: float, busy: set[str]) -> SessionRecord:
