@@ -451,6 +451,35 @@ class Store:
                 return ParentMatch(prefix_len, interaction_from_row(newest[chain_hash]))
         return None
 
+    async def find_session_by_chain(
+        self, *, chain_hashes: Sequence[str], implicit_only: bool = True
+    ) -> SessionRecord | None:
+        """The session holding a turn with one of ``chain_hashes`` (tried in order, longest prefix first;
+        the most recent turn wins), across all sessions: how an implicit-mode request, which names no
+        session, finds its episode. ``implicit_only`` considers only sessions created with
+        ``metadata={"implicit": True}``. One indexed SQL query; the gateway may keep a faster index in
+        front of it (this is the rebuild-from-SQL path)."""
+        if not chain_hashes:
+            return None
+        i, s = schema.interactions, schema.sessions
+        query = (
+            sa.select(i.c.chain_hash, s)
+            .join(s, s.c.id == i.c.session_id)
+            .where(i.c.chain_hash.in_(set(chain_hashes)))
+            .order_by(i.c.created_at.desc(), i.c.id.desc())
+        )
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        newest: dict[str, Any] = {}
+        for row in rows:
+            if implicit_only and not (isinstance(row["meta"], dict) and row["meta"].get("implicit") is True):
+                continue
+            newest.setdefault(row["chain_hash"], row)
+        for chain_hash in chain_hashes:
+            if chain_hash in newest:
+                return session_from_row(newest[chain_hash])
+        return None
+
     async def full_sequence(self, *, interaction_id: str) -> list[int]:
         """All tokens of a turn: parent's full sequence + its prompt delta + its output. Cached (memory,
         then Redis); a miss walks the ancestors in one SQL query. NotFound if unknown."""

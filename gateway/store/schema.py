@@ -51,6 +51,7 @@ interactions = sa.Table(
     sa.Column("timings", sa.JSON, nullable=False),
     sa.Index("ix_interactions_session_chain", "session_id", "chain_hash"),
     sa.Index("ix_interactions_session_created", "session_id", "created_at"),
+    sa.Index("ix_interactions_chain_hash", "chain_hash"),
 )
 
 reward_events = sa.Table(

@@ -68,6 +68,8 @@ class GroupCommitWriter:
         """Queue one job; return when it is committed (or raise its StoreError)."""
         if self._closing:
             raise StoreUnavailable("the store is closed")
+        if self._task.done():
+            raise StoreUnavailable("the store's commit writer has stopped; restart the process")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._queue.append(_Job(interactions, rows, future))
         self._wake.set()

@@ -68,6 +68,7 @@ def upgrade() -> None:
     op.create_index("ix_interactions_parent_id", "interactions", ["parent_id"])
     op.create_index("ix_interactions_session_chain", "interactions", ["session_id", "chain_hash"])
     op.create_index("ix_interactions_session_created", "interactions", ["session_id", "created_at"])
+    op.create_index("ix_interactions_chain_hash", "interactions", ["chain_hash"])  # implicit-mode lookups
 
     op.create_table(
         "reward_events",

@@ -146,3 +146,17 @@ async def test_siblings_in_one_call_and_root_counts(store: Store) -> None:
     assert await store.root_counts(since=drift.created_at + 1) == {}
     last = (await store.get_session(session_id=s.id)).last_activity_at
     assert last >= drift.created_at
+
+
+async def test_find_session_by_chain_for_implicit_episodes(store: Store) -> None:
+    implicit = await store.create_session(group_id="grp-root", metadata={"implicit": True})
+    explicit = await store.create_session()
+    await store.record_interactions([make_turn("i0", implicit.id, None, prompt=[1], output=[2], chain_hash="h-a")])
+    await store.record_interactions([make_turn("i1", implicit.id, "i0", prompt=[3], output=[4], chain_hash="h-b")])
+    await store.record_interactions([make_turn("e0", explicit.id, None, prompt=[1], output=[2], chain_hash="h-c")])
+    found = await store.find_session_by_chain(chain_hashes=["h-x", "h-b", "h-a"])
+    assert found is not None and found.id == implicit.id and found.group_id == "grp-root"
+    assert await store.find_session_by_chain(chain_hashes=["h-c"]) is None  # explicit sessions stay private
+    found = await store.find_session_by_chain(chain_hashes=["h-c"], implicit_only=False)
+    assert found is not None and found.id == explicit.id
+    assert await store.find_session_by_chain(chain_hashes=[]) is None
