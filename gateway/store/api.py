@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import sqlalchemy as sa
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -181,10 +182,13 @@ class Store:
             engine = write_engine = create_async_engine(url, pool_size=10, max_overflow=20)
         try:
             async with db_errors(), engine.connect() as conn:
-                await conn.execute(sa.select(sa.func.count()).select_from(schema.sessions))
+                await conn.execute(sa.select(schema.sessions.c.id).limit(1))
         except StoreUnavailable:
             await _dispose(engine, write_engine)
             raise
+        except sa_exc.ProgrammingError as exc:  # PostgreSQL without the tables (migrate=False)
+            await _dispose(engine, write_engine)
+            raise StoreUnavailable(f"the store's tables are missing; run `alembic upgrade head`: {exc.orig}") from exc
         redis = None
         if redis_url:
             try:

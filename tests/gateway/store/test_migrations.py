@@ -92,3 +92,8 @@ async def test_plain_postgres_url_is_accepted(pg_url: str) -> None:
         assert (await store.create_session()).status == "active"
     finally:
         await store.close()
+
+
+async def test_unmigrated_database_is_reported(tmp_path: Path) -> None:
+    with pytest.raises(StoreUnavailable, match="no such table|tables are missing"):
+        await Store.open(f"sqlite+aiosqlite:///{tmp_path}/empty.db", migrate=False)
