@@ -115,7 +115,8 @@ def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo, clien
     else:
         control = DirectControl(settings.engine_urls, client=client)
     if settings.sync_mode == "disk":
-        sync_dir = Path(settings.sync_dir or Path(settings.checkpoint_dir) / "sync")
+        # absolute: the engines resolve model_path against their own working directory
+        sync_dir = Path(settings.sync_dir or Path(settings.checkpoint_dir) / "sync").resolve()
         return control, DiskSync(sync_dir=sync_dir, source_dir=model_dir, client=client)
     backend = "nccl" if info.device.type == "cuda" else "gloo"
     return control, BroadcastSync(client=client, bucket_bytes=int(settings.sync_bucket_mb * 2**20),
