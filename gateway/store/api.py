@@ -418,8 +418,9 @@ class Store:
         that hash (retries), the most recent wins. One index probe per candidate (Redis hash, else one
         indexed SQL query for all candidates); None when nothing matches.
 
-        With Redis, the longest candidate's hit is served from Redis plus an in-process cache of recent
-        turns, with no SQL; on that path ``interaction.reward`` may lag a reward set via another replica.
+        The turn itself comes from an in-process cache of recent turns when it is there, so with Redis
+        the longest candidate's hit needs no SQL at all. ``interaction.reward`` may then lag a reward
+        set via another replica (``get_interaction`` reads SQL).
         """
         if not candidates:
             return None
@@ -428,32 +429,34 @@ class Store:
             found = await self._redis.chain_lookup(session_id, hashes[:1])
             if found[0] is not None:  # the longest candidate: nothing can beat it
                 try:
-                    parent = self._turns.get(found[0])
-                    if parent is None:
-                        parent = await self.get_interaction(interaction_id=found[0])
-                        self._turns.put(parent)
-                    return ParentMatch(candidates[0][0], parent)
+                    return ParentMatch(candidates[0][0], await self._turn(found[0]))
                 except NotFound:
                     log.warning("redis chain index points at unknown interaction %s; using SQL", found[0])
         i = schema.interactions
-        query = (
-            sa.select(i)
+        query = (  # ids only: a long conversation matches many candidates, and only one row is needed
+            sa.select(i.c.id, i.c.chain_hash)
             .where(i.c.session_id == session_id, i.c.chain_hash.in_(set(hashes)))
             .order_by(i.c.created_at.desc(), i.c.id.desc())
         )
         async with self._read() as conn:
-            rows = (await conn.execute(query)).mappings().all()
-        newest: dict[str, Any] = {}
+            rows = (await conn.execute(query)).all()
+        newest: dict[str, str] = {}
         for row in rows:
-            newest.setdefault(row["chain_hash"], row)
+            newest.setdefault(row.chain_hash, row.id)
         if self._redis is not None and newest:
-            await self._redis.chain_add(
-                [(session_id, h, row["id"]) for h, row in newest.items()], only_missing=True
-            )
+            await self._redis.chain_add([(session_id, h, iid) for h, iid in newest.items()], only_missing=True)
         for prefix_len, chain_hash in candidates:
             if chain_hash in newest:
-                return ParentMatch(prefix_len, interaction_from_row(newest[chain_hash]))
+                return ParentMatch(prefix_len, await self._turn(newest[chain_hash]))
         return None
+
+    async def _turn(self, interaction_id: str) -> Interaction:
+        """A turn from the recent-turn cache, else SQL (then cached)."""
+        turn = self._turns.get(interaction_id)
+        if turn is None:
+            turn = await self.get_interaction(interaction_id=interaction_id)
+            self._turns.put(turn)
+        return turn
 
     async def find_session_by_chain(
         self, *, chain_hashes: Sequence[str], implicit_only: bool = True
