@@ -141,7 +141,7 @@ class Store:
         max_batch_rows: int = 256,
         commit_delay_s: float = 0.0,
         seq_cache_tokens: int = 8_000_000,
-        turn_cache_size: int = 4096,
+        turn_cache_size: int = 1024,
     ) -> Store:
         """Connect, run ``alembic upgrade head`` (unless ``migrate=False``) and start the group-commit writer.
 
