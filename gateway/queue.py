@@ -193,6 +193,7 @@ class SqlQueue:
         self.engine = engine
         self.lease_timeout_s = lease_timeout_s
         self._waiter = _Waiter()
+        self._leases_pruned_at = 0.0
 
     def notify(self) -> None:
         self._waiter.notify()
@@ -318,23 +319,30 @@ class SqlQueue:
         q, leases = queue_table, lease_table
         now = time.time()
         out = Maintenance()
-        async with _translate("maintenance"), self.engine.begin() as conn:
-            old = (
-                await conn.execute(
-                    sa.select(q.c.id, q.c.n_rows, q.c.session_ids).where(q.c.status == "held", q.c.held_at < now - max_held_s)
-                )
-            ).all()
-            if old:
-                await conn.execute(q.delete().where(q.c.id.in_([r.id for r in old])))
-                out.dropped_groups = len(old)
-                out.dropped_rows = sum(r.n_rows for r in old)
-                out.dropped_sessions = sum(len(r.session_ids) for r in old)
-            fresh = q.c.status == "held"
-            if min_version is not None:
-                fresh = fresh & (q.c.min_version >= min_version)
-            res = await conn.execute(q.update().where(fresh).values(status="ready", held_at=None))
-            out.requeued = int(res.rowcount)
-            await conn.execute(leases.delete().where(leases.c.created_at < now - LEASE_RETENTION_S))
+        async with _translate("maintenance"):
+            async with self.engine.connect() as conn:  # a read first: usually nothing is held
+                held = (await conn.execute(
+                    sa.select(q.c.id, q.c.n_rows, q.c.session_ids, q.c.held_at, q.c.min_version)
+                    .where(q.c.status == "held"))).all()
+            old = [r for r in held if r.held_at < now - max_held_s]
+            fresh = [r for r in held if r.held_at >= now - max_held_s and not is_stale(r.min_version, min_version)]
+            forget = now - self._leases_pruned_at > 60.0
+            if not (old or fresh or forget):
+                return out
+            async with self.engine.begin() as conn:
+                if old:
+                    gone = await conn.execute(q.delete().where(q.c.id.in_([r.id for r in old]), q.c.status == "held"))
+                    if gone.rowcount == len(old):
+                        out.dropped_groups = len(old)
+                        out.dropped_rows = sum(r.n_rows for r in old)
+                        out.dropped_sessions = sum(len(r.session_ids) for r in old)
+                if fresh:
+                    res = await conn.execute(q.update().where(q.c.id.in_([r.id for r in fresh]), q.c.status == "held")
+                                             .values(status="ready", held_at=None))
+                    out.requeued = int(res.rowcount)
+                if forget:
+                    await conn.execute(leases.delete().where(leases.c.created_at < now - LEASE_RETENTION_S))
+                    self._leases_pruned_at = now
         if out.requeued:
             self.notify()
         return out
