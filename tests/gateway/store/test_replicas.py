@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from gateway.store import Conflict, Store
 from gateway.store.api import hash_key
+from gateway.store.redis_state import RedisState
 from tests.conftest import REDIS_URL
 from tests.gateway.store.helpers import make_turn
 
@@ -141,4 +142,29 @@ async def test_hot_path_needs_no_sql_with_redis(pg_url: str, redis_prefix: str) 
             event.remove(store.engine.sync_engine, "before_cursor_execute", listener)
         assert statements == []
     finally:
+        await store.close()
+
+
+@pytest.mark.services
+async def test_redis_outage_falls_back_to_sql(pg_url: str, redis_prefix: str) -> None:
+    """With Redis gone mid-run, every call still answers from SQL; the failures are counted."""
+    store = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix, turn_cache_size=0)
+    live = store._redis
+    dead = RedisState(aioredis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2), redis_prefix)
+    store._redis = dead
+    try:
+        s = await store.create_session()
+        assert s.api_key is not None
+        await store.record_interactions([make_turn("o0", s.id, None, prompt=[1], output=[2])])
+        await store.record_interactions([make_turn("o1", s.id, "o0", prompt=[3], output=[4])])
+        assert (await store.get_session_by_key(api_key=s.api_key)).id == s.id
+        match = await store.find_parent(session_id=s.id, candidates=[(3, "chain-o1")])
+        assert match is not None and match.interaction.id == "o1"
+        store._seqs = type(store._seqs)(1000)  # cold memory: the sequence must come from SQL
+        assert await store.full_sequence(interaction_id="o1") == [1, 2, 3, 4]
+        await store.finish_session(session_id=s.id)
+        assert dead.errors >= 5
+    finally:
+        store._redis = live
+        await dead.close()
         await store.close()
