@@ -20,6 +20,7 @@
 #   DATASET [synthetic:1]   (gsm8k:../shared/data/gsm8k for GSM8K)   LIMIT [2]   GROUP_SIZE [2]
 #   CONCURRENCY [4]  MAX_TOKENS [24]  MAX_TURNS [2]
 #   TRAIN_STEPS [1] (0: no trainer)  BATCH_GROUPS [2]  SYNC_MODE [disk]  TRAIN_TIMEOUT_S [600]
+#   TRAIN_NPROC [0]         0: `agentrl train`; N: `torchrun --standalone --nproc-per-node N -m trainer` (as in Compose)
 #   RUN_DIR [runs/topology]  PYTHON [python]
 set -euo pipefail
 
@@ -43,6 +44,7 @@ TRAIN_STEPS=${TRAIN_STEPS:-1}
 BATCH_GROUPS=${BATCH_GROUPS:-2}
 SYNC_MODE=${SYNC_MODE:-disk}
 TRAIN_TIMEOUT_S=${TRAIN_TIMEOUT_S:-600}
+TRAIN_NPROC=${TRAIN_NPROC:-0}
 RUN_DIR=${RUN_DIR:-runs/topology}
 PYTHON=${PYTHON:-python}
 
@@ -53,6 +55,21 @@ RUN_DIR=$(cd "$RUN_DIR" && pwd)
 PIDS=()
 
 log() { echo "topology $(date +%T): $*" >&2; }
+
+# http_get URL [BEARER]: print the body of a 200 answer, fail otherwise (Python, so that curl is not needed)
+http_get() {
+    "$PYTHON" - "$@" <<'PY'
+import sys, urllib.request
+req = urllib.request.Request(sys.argv[1])
+if len(sys.argv) > 2:
+    req.add_header("Authorization", f"Bearer {sys.argv[2]}")
+try:
+    with urllib.request.urlopen(req, timeout=5) as r:
+        sys.stdout.write(r.read().decode())
+except Exception:
+    sys.exit(1)
+PY
+}
 
 stop_all() {
     local pid
@@ -87,7 +104,7 @@ wait_healthy() {
     local name=$1 url=$2 timeout=$3 pid
     pid=$(eval echo "\$PID_$name")
     for _ in $(seq 1 $((timeout * 2))); do
-        if curl -fs -o /dev/null "$url"; then
+        if http_get "$url" >/dev/null; then
             log "$name is healthy ($url)"
             return 0
         fi
@@ -139,7 +156,12 @@ wait_healthy gateway "$GATEWAY_URL/health" 300
 
 # 3. trainer: leases finished groups, trains, pushes weights to the engine, bumps the gateway's version
 if (( TRAIN_STEPS > 0 )); then
-    start trainer "$PYTHON" -m agentrl train --gateway "$GATEWAY_URL" --admin-key "$ADMIN_KEY" --model "$MODEL" \
+    if (( TRAIN_NPROC > 0 )); then
+        trainer_cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$TRAIN_NPROC" -m trainer)
+    else
+        trainer_cmd=("$PYTHON" -m agentrl train)
+    fi
+    start trainer "${trainer_cmd[@]}" --gateway "$GATEWAY_URL" --admin-key "$ADMIN_KEY" --model "$MODEL" \
         --device "$TRAIN_DEVICE" --steps "$TRAIN_STEPS" --group-size "$GROUP_SIZE" --batch-groups "$BATCH_GROUPS" \
         --sync-mode "$SYNC_MODE" --checkpoint-dir "$RUN_DIR/trainer" --no-resume
 fi
@@ -176,8 +198,8 @@ if (( TRAIN_STEPS > 0 )); then
 fi
 
 # summary: what the gateway and the engine say now (before everything stops)
-gateway_version=$(curl -fsS -H "Authorization: Bearer $ADMIN_KEY" "$GATEWAY_URL/admin/weight_version")
-engine_version=$(curl -fsS "$ENGINE_URL/get_weight_version")
+gateway_version=$(http_get "$GATEWAY_URL/admin/weight_version" "$ADMIN_KEY")
+engine_version=$(http_get "$ENGINE_URL/get_weight_version")
 cat >"$RUN_DIR/summary.json" <<EOF
 {"gateway": $gateway_version, "engine": $engine_version, "agent": $(cat "$RUN_DIR/agent_summary.json")}
 EOF
