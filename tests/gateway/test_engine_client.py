@@ -1,0 +1,179 @@
+"""The SGLang-native engine client and router, against fakes at the protocol boundary (httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.engine_client import EngineClient, EngineRouter, SamplingParams, parse_output
+from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
+
+EOT = 2
+
+
+def body(ids: list[int], finish: dict[str, Any] | None, version: str = "0") -> dict[str, Any]:
+    return {"text": "", "output_ids": ids, "meta_info": {
+        "id": "r", "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": len(ids),
+        "weight_version": version, "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
+
+
+class FakeEngine:
+    """Speaks /generate (stream and not), /health and pause/continue; aborts in-flight streams on pause."""
+
+    def __init__(self, name: str, reply: list[int]) -> None:
+        self.name, self.reply = name, reply
+        self.healthy, self.paused = True, asyncio.Event()
+        self.requests: list[dict[str, Any]] = []
+        self.step = asyncio.Event()
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/health":
+            return httpx.Response(200 if self.healthy else 503)
+        if not self.healthy:
+            raise httpx.ConnectError("refused", request=request)
+        if path == "/pause_generation":
+            self.paused.set()
+            return httpx.Response(200, json={"status": "ok"})
+        if path == "/continue_generation":
+            self.paused.clear()
+            return httpx.Response(200, json={"status": "ok"})
+        req = json.loads(request.content)
+        self.requests.append(req)
+        if req["input_ids"] == [666]:
+            return httpx.Response(400, json={"error": {"message": "prompt too long"}})
+        max_new = req["sampling_params"]["max_new_tokens"]
+        first = self.requests[0]["input_ids"]
+        resumed = req["input_ids"][: len(first)] == first  # prompt + partial output: continue the reply
+        reply = self.reply[len(req["input_ids"]) - len(first):] if resumed else self.reply
+        out = reply[:max_new]
+        done = {"type": "stop", "matched": EOT} if len(out) == len(reply) else {"type": "length"}
+        if not req["stream"]:
+            return httpx.Response(200, json=body(out, done))
+
+        async def events() -> Any:
+            for k in range(1, len(out) + 1):
+                if self.paused.is_set():
+                    yield f"data: {json.dumps(body(out[:k - 1], {'type': 'abort', 'message': 'paused'}))}\n\n".encode()
+                    break
+                yield f"data: {json.dumps(body(out[:k], done if k == len(out) else None))}\n\n".encode()
+                await asyncio.sleep(0.01)
+                if k == 2:
+                    self.step.set()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+
+def make_router(*engines: FakeEngine) -> tuple[EngineRouter, list[httpx.AsyncClient]]:
+    clients = [httpx.AsyncClient(transport=httpx.MockTransport(e.handler)) for e in engines]
+    return EngineRouter([EngineClient(f"http://{e.name}", c) for e, c in zip(engines, clients)]), clients
+
+
+async def collect(router: EngineRouter, ids: list[int], params: SamplingParams, **kw: Any) -> Any:
+    last = None
+    async for gen in router.generate(ids, params, **kw):
+        last = gen
+    return last
+
+
+def test_parse_output_reads_sglang_shapes() -> None:
+    out = parse_output(body([5, 6, EOT], {"type": "stop", "matched": EOT}, version="3"))
+    assert out.output_ids == [5, 6, EOT] and out.logprobs == [-0.5] * 3
+    assert (out.finish, out.matched, out.weight_version) == ("stop", EOT, 3)
+    assert parse_output(body([1], None, version="default")).weight_version is None
+    with pytest.raises(EngineError):
+        parse_output({"error": {"message": "boom"}})
+    bad = body([1, 2], None)
+    bad["meta_info"]["output_token_logprobs"] = []
+    with pytest.raises(EngineError, match="logprobs"):
+        parse_output(bad)
+
+
+async def test_generate_translates_http_errors() -> None:
+    engine = FakeEngine("a", [5, 6, EOT])
+    router, clients = make_router(engine)
+    params = SamplingParams(max_new_tokens=10, seed=4, stop=["x"], stop_token_ids=[EOT])
+    gen = await collect(router, [1, 2, 3], params, affinity_key=None, stream=False)
+    assert gen.output_ids == [5, 6, EOT] and gen.finish == "stop" and gen.versions == [0, 0, 0]
+    sent = engine.requests[-1]
+    assert sent["return_logprob"] is True and sent["input_ids"] == [1, 2, 3]
+    assert sent["sampling_params"] == {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0,
+                                       "skip_special_tokens": False, "sampling_seed": 4, "stop": ["x"],
+                                       "stop_token_ids": [EOT]}
+    with pytest.raises(InvalidRequest, match="prompt too long"):
+        await collect(router, [666], params, affinity_key=None, stream=False)
+    engine.healthy = False
+    with pytest.raises(EngineUnavailable):
+        await collect(router, [1], params, affinity_key=None, stream=False)
+    assert not router.engines[0].healthy  # out of rotation after the failure
+    for c in clients:
+        await c.aclose()
+
+
+async def test_routing_least_loaded_affinity_and_health() -> None:
+    a, b = FakeEngine("a", [5, EOT]), FakeEngine("b", [7, EOT])
+    router, clients = make_router(a, b)
+    router.engines[0].in_flight = 3
+    assert router.pick("s1") == 1  # least loaded
+    router.engines[0].in_flight = 0
+    router.engines[1].in_flight = 5
+    assert router.pick("s1") == 1  # affinity wins while its engine is healthy
+    assert router.pick("s2") == 0
+    b.healthy = False
+    await router.check_health()
+    assert router.pick("s1") == 0  # dead engine out of rotation
+    # a request that finds its engine dead moves to another one
+    router.engines[1].healthy = True
+    params = SamplingParams(max_new_tokens=5)
+    gen = await collect(router, [1], params, affinity_key="s1", stream=False)
+    assert gen.output_ids in ([5, EOT], [7, EOT])
+    b.healthy = True
+    await router.check_health()
+    assert all(e.healthy for e in router.engines)
+    a.healthy = b.healthy = False
+    await router.check_health()
+    with pytest.raises(EngineUnavailable, match="no healthy engine"):
+        router.pick("s3")
+    for c in clients:
+        await c.aclose()
+
+
+async def test_pause_holds_and_resume_continues_with_new_version() -> None:
+    engine = FakeEngine("a", [10, 11, 12, 13, 14, 15, EOT])
+    router, clients = make_router(engine)
+    params = SamplingParams(max_new_tokens=50)
+    seen: list[list[int]] = []
+
+    async def consume() -> Any:
+        last = None
+        async for gen in router.generate([1, 2], params, affinity_key="s", stream=True):
+            seen.append(list(gen.output_ids))
+            last = gen
+        return last
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(engine.step.wait(), 5)
+    await router.pause()
+    for _ in range(100):
+        if router.held:
+            break
+        await asyncio.sleep(0.01)
+    assert router.held == 1 and not task.done()
+    await router.resume(5)
+    gen = await asyncio.wait_for(task, 5)
+    assert gen.output_ids == [10, 11, 12, 13, 14, 15, EOT] and gen.finish == "stop"
+    cut = gen.versions.index(5)
+    assert gen.versions == [0] * cut + [5] * (7 - cut) and 1 <= cut < 7
+    assert gen.segments == 2
+    resent = engine.requests[-1]
+    assert resent["input_ids"] == [1, 2] + gen.output_ids[:cut]  # prompt + partial output
+    assert resent["sampling_params"]["max_new_tokens"] == 50 - cut
+    assert all(  # the caller only ever saw the output grow
+        seen[i] == seen[i + 1][: len(seen[i])] for i in range(len(seen) - 1))
+    for c in clients:
+        await c.aclose()
