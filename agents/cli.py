@@ -4,7 +4,7 @@
         --split test --group-size 4 --concurrency 8 --limit 50 --eval
 
 Prints the summary (also as one JSON line, for scripts) and exits 0; exits 2 on bad settings or a dataset
-error, 3 when the gateway stays unreachable.
+error, 3 when the gateway stays unreachable, 130 when stopped by Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 
 from agentrl.settings import SettingsError, add_arguments, load
@@ -39,8 +40,19 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"agentrl agent: {exc}", file=sys.stderr)
         return 2
+    async def main() -> dict:
+        # SIGTERM (how `agentrl up` and process managers stop us) cancels the run like Ctrl-C, so the reward
+        # pool's workers and the HTTP clients are closed on the way out.
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await run_agents(settings)
+
     try:
-        summary = asyncio.run(run_agents(settings))
+        summary = asyncio.run(main())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        print("agentrl agent: stopped before the end; no summary", file=sys.stderr)
+        return 130
     except DatasetError as exc:
         print(f"agentrl agent: {exc}", file=sys.stderr)
         return 2
