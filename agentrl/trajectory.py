@@ -182,7 +182,7 @@ def _path(by_id: dict[str, Turn], leaf: Turn) -> list[Turn]:
     return path
 
 
-def discounted_returns(rewards: Sequence[float], gamma: float) -> np.ndarray:
+def discounted_returns(rewards: Sequence[float] | np.ndarray, gamma: float) -> np.ndarray:
     """``returns[t] = rewards[t] + gamma * returns[t+1]`` along one path (float64)."""
     out = np.zeros(len(rewards), dtype=np.float64)
     acc = 0.0

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
@@ -78,7 +79,7 @@ class TrainerState:
         }
 
 
-def _state(row: sa.Row | None) -> TrainerState | None:
+def _state(row: sa.Row[Any] | None) -> TrainerState | None:
     if row is None:
         return None
     return TrainerState(version=row.version, batch_size=row.batch_size, staleness_bound=row.staleness_bound,

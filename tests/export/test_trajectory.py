@@ -289,3 +289,63 @@ def test_turn_from_store_interaction():
     assert (t.id, t.parent_id, t.finish_reason, t.reward, t.request_hash, t.created_at) == (
         "chatcmpl-1", None, "length", 0.5, "r", 12.0)
     eq(t.prompt_ids, [1, 2]); eq(t.output_ids, [3]); eq(t.logprobs, [-0.25]); eq(t.versions, [4])
+
+
+# ------------------------------------------------------------------ random trees vs a slow reference
+
+
+def random_tree(rng: np.random.Generator, n: int) -> list[Turn]:
+    turns: list[Turn] = []
+    for i in range(n):
+        parent = None if i == 0 or rng.random() < 0.15 else turns[int(rng.integers(0, i))].id
+        out = rng.integers(100, 1000, int(rng.integers(0, 4))).tolist()
+        reward = None if rng.random() < 0.4 else float(rng.integers(-2, 3))
+        # Retries: sometimes re-use the request hash of an earlier sibling.
+        sibs = [t for t in turns if t.parent_id == parent]
+        rh = sibs[0].request_hash if sibs and rng.random() < 0.3 else f"req-{i}"
+        turns.append(turn(f"t{i}", parent, rng.integers(1, 100, int(rng.integers(1, 4))).tolist(), out,
+                          versions=rng.integers(0, 3, len(out)).tolist(), reward=reward, rh=rh, t=float(i)))
+    return turns
+
+
+def slow_reference(turns: list[Turn], gamma: float) -> dict[str, tuple[list[int], list[int], list[float]]]:
+    """leaf id -> (input_ids, loss_mask, returns), by the most direct reading of the rules."""
+    by_id = {t.id: t for t in turns}
+    has_kids = {t.parent_id for t in turns}
+    continued = {t.request_hash for t in turns if t.id in has_kids}
+    out = {}
+    for leaf in turns:
+        if leaf.id in has_kids or leaf.request_hash in continued:
+            continue
+        path = [leaf]
+        while path[0].parent_id is not None:
+            path.insert(0, by_id[path[0].parent_id])
+        ids, mask = [], []
+        for t in path:
+            ids += t.prompt_ids.tolist() + t.output_ids.tolist()
+            mask += [0] * len(t.prompt_ids) + [1] * len(t.output_ids)
+        returns = []
+        for k in range(len(path)):
+            returns.append(sum(gamma ** (j - k) * (path[j].reward or 0.0) for j in range(k, len(path))))
+        out[leaf.id] = (ids, mask, returns)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_concat_matches_slow_reference_on_random_trees(seed):
+    rng = np.random.default_rng(seed)
+    turns = random_tree(rng, int(rng.integers(1, 14)))
+    gamma = float(rng.choice([0.0, 0.5, 0.9, 1.0]))
+    rows = export_concat(list(reversed(turns)), gamma=gamma)
+    want = slow_reference(turns, gamma)
+    assert sorted(r.leaf_id for r in rows) == sorted(want)
+    for row in rows:
+        ids, mask, returns = want[row.leaf_id]
+        assert row.input_ids.tolist() == ids and row.loss_mask.tolist() == mask
+        np.testing.assert_allclose(row.turn_returns, returns, atol=1e-12)
+        assert (row.logprobs[row.loss_mask == 0] == 0).all() and (row.versions[row.loss_mask == 0] == -1).all()
+        assert set(row.turn_ids[row.loss_mask == 1].tolist()) <= set(range(len(returns)))
+    ind = export_individual(turns, gamma=gamma)
+    assert len(ind) == len(turns) - len(abandoned_retries(turns))
+    for row in ind:
+        assert row.loss_mask.sum() == len(next(t for t in turns if t.id == row.leaf_id).output_ids)

@@ -162,3 +162,27 @@ async def test_lease_waits_without_blocking_the_loop(service):
         await service.lease_batch(0, 0.0)
     with pytest.raises(errors.InvalidRequest):
         await service.lease_batch(1, 1e6)
+
+
+@pytest.mark.services
+async def test_two_replicas_export_each_group_once(pg_url, redis_prefix):
+    from tests.conftest import REDIS_URL
+
+    stores = [await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix) for _ in range(2)]
+    services = [TrajectoryService(s, ExportSettings(group_size=2)) for s in stores]
+    try:
+        for g in range(3):
+            for _ in range(2):
+                s = await session_with_turns(stores[0], f"g{g}")
+                await stores[0].finish_session(session_id=s.id)
+        await asyncio.gather(*(svc.tick() for svc in services for _ in range(3)))
+        assert sum(svc.stats.groups_exported for svc in services) == 3
+        assert max(svc.stats.groups_exported for svc in services) == 3  # one leader did all of it
+        # Either replica leases from the shared Redis stream; the other acknowledges.
+        lease_id, batch = await services[1].lease_batch(3, 0.0)
+        assert len(decode_batch(batch)[0]) == 6
+        assert await services[0].ack(lease_id) == 3
+    finally:
+        for svc, store in zip(services, stores):
+            await svc.stop()
+            await store.close()
