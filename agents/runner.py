@@ -259,7 +259,9 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
     async def run_group(sample: Sample) -> None:
         async with group_slots:
             group_id = f"{sample.id}-{run_tag}"
-            metadata = {"eval": settings.eval, "agent": settings.agent, "dataset": settings.dataset}
+            # group_size tells the gateway when this GRPO group is complete (ready for training)
+            metadata = {"eval": settings.eval, "group_size": settings.group_size, "agent": settings.agent,
+                        "dataset": settings.dataset}
             sessions = [await gateway.create_session(group_id=group_id, task_id=sample.id, metadata=metadata)
                         for _ in range(settings.group_size)]
             async with asyncio.TaskGroup() as group:

@@ -67,7 +67,7 @@ async def test_wrong_answer_makes_a_two_turn_path_with_a_correction(gateway):
     assert child["id"] == episode.turns[1].response_id and child["parent_id"] == root["id"]
     assert child["reward"] == 0.0
     assert messages_of(child)[-1] == {"role": "user", "content": CORRECTION}
-    assert recorded["session"]["status"] == "finished"
+    assert recorded["session"]["status"] in ("finished", "consumed")  # consumed: exported for training already
 
 
 async def test_correct_first_answer_ends_after_one_turn(gateway):
@@ -149,7 +149,7 @@ async def test_runner_groups_sessions_posts_rewards_and_finishes(gateway):
     for record in records:
         recorded = tree(gateway, record.session_id)
         session = recorded["session"]
-        assert session["status"] == "finished" and session["group_id"] == record.group_id
+        assert session["status"] == "finished" and session["group_id"] == record.group_id  # eval: never consumed
         assert session["metadata"]["eval"] is True and session["task_id"] == record.sample.id
         turns = record.episode.turns
         assert recorded["num_interactions"] == len(turns)
@@ -166,7 +166,16 @@ async def test_runner_with_an_injected_reward_function_stops_after_turn_one(gate
 
 
 def test_cli_prints_the_summary(gateway, capsys):
-    from agentrl.cli import main
+    import argparse
+
+    from agents.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())  # only `agentrl agent`: the other components' parsers are not needed
+
+    def main(argv: list[str]) -> int:
+        args = parser.parse_args(argv)
+        return args.func(args)
 
     code = main(["agent", "math", "--gateway", gateway.base_url, "--admin-key", gateway.admin_key,
                  "--dataset", "synthetic:2", "--limit", "1", "--group-size", "2", "--max-tokens", "8",
@@ -174,3 +183,42 @@ def test_cli_prints_the_summary(gateway, capsys):
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["episodes"] == 2 and summary["eval"] is True and summary["failed"] == 0
+
+
+async def test_runner_backs_off_on_429_until_the_trainer_moves_on(gateway):
+    """At the staleness limit the gateway answers 429 + Retry-After; the runner waits, and continues when
+    the trainer's version moves on (kept last in the module: it registers a trainer on the shared gateway)."""
+    headers = {"Authorization": f"Bearer {gateway.admin_key}"}
+    async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=60) as admin:
+
+        async def register(version: int, batch_size: int = 1) -> dict:
+            response = await admin.post("/admin/trainer", json={"version": version, "batch_size": batch_size,
+                                                                "staleness_bound": 0})
+            response.raise_for_status()
+            return response.json()["trainer"]
+
+        version = 0
+        state = await register(version)
+        while state["limit"] - state["admitted"] < 1:  # sessions of earlier tests may fill the budget
+            version += 1
+            state = await register(version)
+        free = state["limit"] - state["admitted"]
+
+        done: list[EpisodeRecord] = []
+        settings = RunnerSettings(gateway=gateway.base_url, admin_key=gateway.admin_key, dataset="synthetic:1",
+                                  limit=free + 1, group_size=1, concurrency=free + 1, max_tokens=4, progress=False)
+        settings.validate()
+        runner = asyncio.create_task(run_agents(settings, on_episode=done.append))
+        try:
+            while len(done) < free:  # the budget's sessions run; the last one is refused meanwhile
+                assert not runner.done(), runner.exception()
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)
+            assert len(done) == free
+            await register(version + 1)  # a training step: the budget grows
+            summary = await asyncio.wait_for(runner, timeout=120)
+        finally:
+            runner.cancel()
+            await register(0, batch_size=10**6)  # a new registration with room for everything
+    assert summary["episodes"] == free + 1 and summary["failed"] == 0
+    assert summary["backoffs_429"] >= 1

@@ -88,7 +88,9 @@ async def test_dead_gateway_gives_up_after_gateway_wait():
 
 
 def test_cli_exit_codes(tmp_path, capsys):
-    from agentrl.cli import main
+    def main(argv: list[str]) -> int:
+        args = parse(argv)
+        return args.func(args)
 
     assert main(["agent", "math", "--admin-key", "k", "--dataset", f"gsm8k:{tmp_path}/missing.jsonl"]) == 2
     assert "missing.jsonl does not exist" in capsys.readouterr().err
