@@ -44,10 +44,11 @@ def prompts(n: int) -> list[list[int]]:
     return out
 
 
-def start_engine(model: str, port: int, max_running: int) -> tuple[subprocess.Popen, object]:
+def start_engine(model: str, port: int, max_running: int, threads: int) -> tuple[subprocess.Popen, object]:
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "agentrl", "engine", "--model", model, "--port", str(port),
-                             "--max-running-requests", str(max_running)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                             "--max-running-requests", str(max_running), "--threads", str(threads)],
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -101,7 +102,8 @@ def main() -> int:
     parser.add_argument("--url", default=None, help="use a running engine instead of starting one")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=32, help="max_new_tokens per request")
+    parser.add_argument("--tokens", type=int, default=16, help="max_new_tokens per request")
+    parser.add_argument("--threads", type=int, default=1, help="the engine's torch CPU threads")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     proc = log = None
@@ -110,11 +112,12 @@ def main() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        proc, log = start_engine(args.model, port, max(levels))
+        proc, log = start_engine(args.model, port, max(levels), args.threads)
         url = f"http://127.0.0.1:{port}"
     try:
         load = os.getloadavg()[0]
-        print(f"engine bench: model {args.model}, {args.tokens} new tokens per request, {args.runs} runs each; "
+        print(f"engine bench: model {args.model}, {args.tokens} new tokens per request, {args.runs} runs each, "
+              f"engine threads {args.threads}; "
               f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), load average {load:.1f}")
         rows = asyncio.run(bench(url, levels, args.runs, args.tokens))
     finally:

@@ -66,6 +66,7 @@ def parse_weight_version(value: Any) -> int | None:
 class Engine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
+        torch.set_num_threads(settings.threads)
         path = resolve_model(settings.model)
         self.model_path = str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
