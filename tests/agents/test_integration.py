@@ -185,6 +185,37 @@ def test_cli_prints_the_summary(gateway, capsys):
     assert summary["episodes"] == 2 and summary["eval"] is True and summary["failed"] == 0
 
 
+async def test_runner_groups_reach_the_trainer_as_complete_groups(gateway):
+    """A non-eval run's G sessions per prompt come out of GET /v1/trajectories as one group of G rows, each
+    row the session's whole correction path with the agent's per-turn rewards and response ids."""
+    from agentrl.trajectory import decode_batch
+
+    records: list[EpisodeRecord] = []
+    settings = RunnerSettings(gateway=gateway.base_url, admin_key=gateway.admin_key, dataset="synthetic:4",
+                              limit=1, group_size=2, concurrency=2, max_tokens=6, progress=False)
+    settings.validate()
+    await run_agents(settings, on_episode=records.append)
+    (group_id,) = {r.group_id for r in records}
+    headers = {"Authorization": f"Bearer {gateway.admin_key}"}
+    mine = []
+    async with httpx.AsyncClient(base_url=gateway.base_url, headers=headers, timeout=60) as admin:
+        for _ in range(12):  # earlier tests' groups may be queued first: lease, ack, look for ours
+            response = await admin.get("/v1/trajectories", params={"max_groups": 100, "wait_s": 5})
+            if response.status_code == 204:
+                continue
+            response.raise_for_status()
+            rows, meta = decode_batch(response.content)
+            (await admin.post("/v1/trajectories/ack", json={"lease_id": meta["lease_id"]})).raise_for_status()
+            mine += [row for row in rows if row.group_id == group_id]
+            if mine:
+                break
+    assert sorted(row.session_id for row in mine) == sorted(r.session_id for r in records)
+    for row in mine:
+        (record,) = [r for r in records if r.session_id == row.session_id]
+        assert row.turn_interaction_ids == [t.response_id for t in record.episode.turns]
+        assert list(row.turn_rewards) == [t.reward for t in record.episode.turns]
+
+
 async def test_runner_backs_off_on_429_until_the_trainer_moves_on(gateway):
     """At the staleness limit the gateway answers 429 + Retry-After; the runner waits, and continues when
     the trainer's version moves on (kept last in the module: it registers a trainer on the shared gateway)."""
