@@ -37,17 +37,18 @@ def run(args: argparse.Namespace) -> int:
     from trainer.weight_sync import WeightSyncError
     from trainer.data import GatewayError
 
+    import torch.distributed as dist
+
     try:
         state = train(settings)
+        if dist.get_rank() == 0:
+            print(f"agentrl train: done at step {state.step}, weight version {state.version}", file=sys.stderr)
     except (SettingsError, WeightSyncError, GatewayError) as exc:
         print(f"agentrl train: {exc}", file=sys.stderr)
         return 1
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
-    print(f"agentrl train: done at step {state.step}, weight version {state.version}", file=sys.stderr)
     return 0
 
 

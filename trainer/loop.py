@@ -165,9 +165,14 @@ def _lease_batch(leases: LeaseClient, settings: TrainerSettings) -> list[tuple[b
 
 
 def ack(leases: LeaseClient | None, lease: Lease, info: DistInfo) -> None:
+    """Acknowledge the batch's leases. A refused ack (e.g. the lease expired during a long step) is only
+    logged: the rows were trained on, and if the gateway re-delivers them they are dropped as duplicates."""
     if info.is_main and leases is not None:
         for lease_id in lease.lease_ids:
-            leases.ack(lease_id)
+            try:
+                leases.ack(lease_id)
+            except GatewayError as exc:
+                log.warning("%s; its rows will be dropped as duplicates if they come back", exc)
 
 
 def save(settings: TrainerSettings, state: checkpoint.TrainerState, seen: SeenRows, model: torch.nn.Module,

@@ -22,14 +22,23 @@ def start_engine(procs: Processes, *extra: str) -> str:
     return url
 
 
-@pytest.fixture(scope="module")
-def trainer_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A tiny engine only this test module pushes weights to (the shared one must stay at version 0)."""
+@pytest.fixture(scope="session")
+def trainer_engine_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One tiny engine for all trainer tests (not the shared ``engine_url`` one: weight pushes change it)."""
     with Processes(tmp_path_factory.mktemp("trainer-engine")) as procs:
         yield start_engine(procs)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def trainer_engine(trainer_engine_process: str, tiny_model_dir) -> str:
+    """The trainer tests' engine, reset to the tiny model's weights at version 0 (through its own API)."""
+    resp = httpx.post(f"{trainer_engine_process}/update_weights_from_disk",
+                      json={"model_path": str(tiny_model_dir), "weight_version": "0"}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return trainer_engine_process
+
+
+@pytest.fixture(scope="session")
 def dist_info():
     from trainer.model import init_distributed
 
@@ -65,7 +74,7 @@ def trainer_logprobs(model: torch.nn.Module, prompt: list[int], output: list[int
 from tests.gateway.conftest import GatewayProc, gateway_factory  # noqa: E402,F401
 
 
-@pytest.fixture(scope="module")
-def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with Processes(tmp_path_factory.mktemp("trainer-gw-engine")) as procs:
-        yield start_engine(procs)
+@pytest.fixture
+def engine_url(trainer_engine: str) -> str:
+    """Gateways started by ``gateway_factory`` in trainer tests serve the trainer tests' engine."""
+    return trainer_engine

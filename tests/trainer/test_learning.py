@@ -65,7 +65,7 @@ def test_mean_reward_rises_through_the_full_path(gateway_factory, monkeypatch, t
             sys.executable, "-m", "agentrl", "train", "--gateway", gw.base_url, "--admin-key", gw.admin_key,
             "--model", "tiny", "--lr", "0.2", "--group-size", str(GROUP_SIZE), "--batch-groups", str(GROUPS),
             "--staleness-bound", "0", "--micro-batch-tokens", "2048", "--sync-mode", "disk",
-            "--checkpoint-dir", str(ckpt), "--steps", str(STEPS), "--lease-wait-s", "5",
+            "--checkpoint-dir", str(ckpt), "--steps", str(STEPS), "--lease-wait-s", "60",
         ], env={"OMP_NUM_THREADS": "2"})
         rewards = []
         with ThreadPoolExecutor(8) as pool:
