@@ -113,7 +113,7 @@ class ExportSettings:
         try:
             out.validate()
         except ValueError as exc:
-            raise SettingsError(f"export settings: {exc} (set it with {ENV_PREFIX}<FIELD>)") from exc
+            raise SettingsError(f"export settings: {exc} (flag --<field>, or {ENV_PREFIX}<FIELD>)") from exc
         return out
 
 
