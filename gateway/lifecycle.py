@@ -194,8 +194,14 @@ class StalenessAdmission:
         self._state: dict[str, Any] | None = None
 
     async def _settle(self) -> None:
+        """Let trainer updates posted just before this check land first (their errors went to the
+        admin route that posted them, not to this caller)."""
         while self._pending:
-            await self._pending.pop(0)
+            task = self._pending.pop(0)
+            try:
+                await task
+            except Exception:
+                pass
 
     async def check(self, *, kind: str, metadata: dict[str, Any] | None = None) -> None:
         await self._settle()
@@ -205,7 +211,7 @@ class StalenessAdmission:
         """Register the trainer / move its version. Returns an awaitable; callers that do not await it
         still have it applied before the next admission check."""
         task = asyncio.ensure_future(self._configure(status))
-        self._pending.append(task)
+        self._pending = [t for t in self._pending if not t.done()] + [task]
         return task
 
     async def _configure(self, status: dict[str, Any]) -> None:
