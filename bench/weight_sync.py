@@ -126,7 +126,7 @@ def free_port() -> int:
 
 
 def bench_shape(shape: str, args, procs) -> list[dict]:
-    from trainer.model import init_distributed, load_model, weight_bytes
+    from trainer.model import init_distributed, load_model, served_dtype, weight_bytes
     from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, push_weights
 
     info = init_distributed(args.device)
@@ -144,7 +144,7 @@ def bench_shape(shape: str, args, procs) -> list[dict]:
     procs.wait_healthy(child, url + "/health", timeout_s=600)
 
     model = load_model(path, dtype=dtype, device=info.device)
-    nbytes = weight_bytes(model)
+    nbytes = weight_bytes(model, served_dtype(model))
     client = httpx.Client(timeout=600)
     control = DirectControl([url], client=client)
     rows = []

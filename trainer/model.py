@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from trainer.core_algos import token_entropy
@@ -58,25 +58,33 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device | None = None) -> torch.nn.Module:
-    """Load a Hugging Face causal LM and shard it with FSDP2 over the default process group."""
-    from transformers import AutoModelForCausalLM
+    """Load a Hugging Face causal LM and shard it with FSDP2 over the default process group.
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, attn_implementation="sdpa")
+    Parameters (and optimizer state) stay float32; ``dtype="bfloat16"`` computes in bfloat16 through FSDP2's
+    mixed-precision policy (gradients reduced in float32), which is the usual setting on GPUs.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    served = getattr(AutoConfig.from_pretrained(str(path)), "dtype", None)  # what the engines load
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    if served is not None:
+        model.config.dtype = served  # saved directories keep declaring it; pushes cast to it
     if device is not None and device.type == "cuda":
         model = model.to(device)
     model.config.use_cache = False
-    return shard(model)
+    compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return shard(model, compute_dtype=compute)
 
 
-def shard(model: torch.nn.Module) -> torch.nn.Module:
+def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """FSDP2: one unit per decoder layer, plus the root (embeddings, norm, tied LM head)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 
@@ -98,16 +106,29 @@ def tied_duplicates(model: torch.nn.Module) -> set[str]:
     return set()
 
 
-def iter_full_tensors(model: torch.nn.Module, *, to_cpu: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every weight, gathered from the shards. A collective: every rank must iterate."""
+def iter_full_tensors(model: torch.nn.Module, *, to_cpu: bool = False,
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every weight, gathered from the shards, optionally cast to ``dtype``.
+
+    A collective: every rank must iterate to the end.
+    """
     skip = tied_duplicates(model)
     for name, value in model.state_dict().items():
         if name in skip:
             continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        yield name, (full.detach().cpu() if to_cpu else full.detach())
+        full = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+        if dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
+        yield name, (full.cpu() if to_cpu else full)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def served_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the model's own config declares (what its engines load and what pushes send)."""
+    name = str(getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None) or "float32")
+    return getattr(torch, name.removeprefix("torch."), torch.float32)
+
+
+def weight_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
     skip = tied_duplicates(model)
-    return sum(v.numel() * v.element_size() for k, v in model.state_dict().items() if k not in skip)
+    return sum(v.numel() * (torch.empty((), dtype=dtype).element_size() if dtype else v.element_size())
+               for k, v in model.state_dict().items() if k not in skip)

@@ -37,7 +37,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from trainer.model import DistInfo, iter_full_tensors
+from trainer.model import DistInfo, iter_full_tensors, served_dtype
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class DiskSync:
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> Path | None:
         """Collective: gather the weights; rank 0 writes ``sync_dir/v<version>``."""
         path = self.sync_dir / f"v{version}"
-        tensors = iter_full_tensors(model, to_cpu=True)
+        tensors = iter_full_tensors(model, to_cpu=True, dtype=served_dtype(model))
         if info.is_main:
             save_hf_dir(tensors, model.config, path, self.source_dir)
             return path
@@ -284,7 +284,7 @@ class BroadcastSync:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, tensor in iter_full_tensors(model):
+        for name, tensor in iter_full_tensors(model, dtype=served_dtype(model)):
             if not info.is_main:
                 continue
             bucket.append((name, tensor.to(device)))
@@ -416,4 +416,4 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
         transport.committed(staged)
     from trainer.model import weight_bytes
 
-    return PushResult(version, time.perf_counter() - start, weight_bytes(model), attempts)
+    return PushResult(version, time.perf_counter() - start, weight_bytes(model, served_dtype(model)), attempts)
