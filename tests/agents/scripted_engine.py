@@ -20,14 +20,15 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer
 
 CONTEXT_LENGTH = 2048
 
 
 def build_app(model_dir: str, script: list[str]) -> FastAPI:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # the `tokenizers` library directly: the same tokenizer.json as transformers, far quicker to import
+    tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    end_id = tokenizer.token_to_id("<|im_end|>")
     app = FastAPI()
     received: list[dict[str, Any]] = []
 
@@ -35,7 +36,7 @@ def build_app(model_dir: str, script: list[str]) -> FastAPI:
         text = script[min(len(received), len(script) - 1)]
         received.append(body)
         max_new = int(body.get("sampling_params", {}).get("max_new_tokens", 128))
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
         finish: dict[str, Any]
         if len(ids) + 1 <= max_new:
             ids = ids + [end_id]

@@ -126,11 +126,12 @@ async def test_tool_agent_runs_parallel_tool_calls_and_returns_results(gateway_f
     with httpx.Client() as http:
         requests = http.get(engine + "/requests").json()
     assert len(requests) == 2
-    from transformers import AutoTokenizer
+    from tokenizers import Tokenizer
 
     from engine.models import tiny_dir
 
-    prompt = AutoTokenizer.from_pretrained(tiny_dir()).decode(requests[1]["input_ids"])
+    prompt = Tokenizer.from_file(str(tiny_dir() / "tokenizer.json")).decode(requests[1]["input_ids"],
+                                                                           skip_special_tokens=False)
     shown = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", prompt, re.S)
     assert shown == ["84", "a met 1 other", "b met 1 other"]
 
