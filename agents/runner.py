@@ -177,6 +177,7 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
     function (workers import it by name). ``tools`` are extra tools for the tools agent. ``on_episode`` is
     called after each session is finished (for logs, or to look the session up in the gateway).
     """
+    settings.validate()  # idempotent; fills derived values (max_turns) for settings built in code
     if samples is None:
         samples = load_dataset(settings.dataset, split=settings.split, limit=settings.limit,
                                seed=settings.seed, offset=settings.offset)
