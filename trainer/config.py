@@ -66,7 +66,7 @@ class TrainerSettings:
     lease_wait_s: float = field(default=30.0, metadata=_h("long-poll wait for a batch of finished groups"))
     max_idle_s: float = field(default=0.0, metadata=_h("stop when no data arrived for this long (0 = wait forever)"))
     device: str = field(default="auto", metadata=_h("auto (cuda if available), cpu or cuda", choices=DEVICES))
-    dtype: str = field(default="float32", metadata=_h("parameter dtype of the trained model", choices=DTYPES))
+    dtype: str = field(default="float32", metadata=_h("compute dtype (parameters and optimizer state stay float32; bfloat16 = FSDP2 mixed precision)", choices=DTYPES))
     seed: int = field(default=0, metadata=_h("random seed"))
 
     def validate(self) -> None:
