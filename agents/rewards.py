@@ -211,6 +211,9 @@ class RewardPool:
         seconds on a loaded machine; that must not count against a call's timeout, so each new pool is
         warmed up first, under ``startup_timeout_s``. Callers arriving meanwhile wait for the same warm-up.
         """
+        if (self._pool is not None and self._warm_up is not None and not self._warm_up.done()
+                and self._warm_up.get_loop() is not asyncio.get_running_loop()):
+            self._discard(self._pool)  # warming up in an event loop that is gone (a pool reused across asyncio.run)
         if self._pool is None or self._warm_up is None:
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=self._context)
             self._warm_up = asyncio.ensure_future(self._start_workers(self._pool, fn.__module__))

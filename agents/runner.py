@@ -19,6 +19,7 @@ good (e.g. a 400) is counted as failed, its session is finished, and the run goe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
@@ -170,12 +171,15 @@ class Tally:
 
 async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | None = None,
                      reward_fn: RewardFn = math_reward, tools: Sequence[Tool] = (),
-                     on_episode: Callable[[EpisodeRecord], None] | None = None) -> dict[str, Any]:
+                     on_episode: Callable[[EpisodeRecord], None] | None = None,
+                     reward_pool: RewardPool | None = None) -> dict[str, Any]:
     """Run ``settings.agent`` over the dataset (or ``samples``) through the gateway; return the summary.
 
     ``reward_fn(completion, reference) -> float`` runs in a `RewardPool`; it must be a module-level
     function (workers import it by name). ``tools`` are extra tools for the tools agent. ``on_episode`` is
-    called after each session is finished (for logs, or to look the session up in the gateway).
+    called after each session is finished (for logs, or to look the session up in the gateway). Pass a
+    ``reward_pool`` to keep its warm workers across several calls (it is then not closed here, and its
+    ``stats`` accumulate; the summary reports this call's share).
     """
     settings.validate()  # idempotent; fills derived values (max_turns) for settings built in code
     if samples is None:
@@ -190,8 +194,9 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
         if response.status_code == 429 or response.status_code >= 500:
             counters.model_call_retries += 1
 
-    pool = RewardPool(workers=settings.reward_workers, timeout_s=settings.reward_timeout_s,
-                      retries=settings.reward_retries)
+    pool = reward_pool or RewardPool(workers=settings.reward_workers, timeout_s=settings.reward_timeout_s,
+                                     retries=settings.reward_retries)
+    stats_before = dataclasses.replace(pool.stats)
     admin_http = httpx.AsyncClient(timeout=60.0)
     # one connection pool for every session's OpenAI client
     sdk_http = httpx2.AsyncClient(timeout=settings.request_timeout_s,
@@ -277,11 +282,13 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
         raise _first_error(eg) from None  # callers get GatewayUnavailable etc., not a task-group wrapper
     finally:
         bar.close()
-        pool.close()
+        if reward_pool is None:
+            pool.close()
         await admin_http.aclose()
         await sdk_http.aclose()
 
-    summary = summarize(settings, tally, counters, pool, time.monotonic() - started, prompts=len(samples))
+    reward_stats = {k: v - getattr(stats_before, k) for k, v in pool.stats.as_dict().items()}
+    summary = summarize(settings, tally, counters, reward_stats, time.monotonic() - started, prompts=len(samples))
     return summary
 
 
@@ -291,8 +298,8 @@ def _first_error(error: BaseException) -> BaseException:
     return error
 
 
-def summarize(settings: RunnerSettings, tally: Tally, counters: Counters, pool: RewardPool, elapsed_s: float,
-              *, prompts: int) -> dict[str, Any]:
+def summarize(settings: RunnerSettings, tally: Tally, counters: Counters, reward_stats: dict[str, int],
+              elapsed_s: float, *, prompts: int) -> dict[str, Any]:
     episodes = tally.episodes
     n = len(episodes)
 
@@ -312,10 +319,10 @@ def summarize(settings: RunnerSettings, tally: Tally, counters: Counters, pool: 
         "accuracy_final": mean([float(e.correct_final) for e in episodes]),
         "mean_reward": mean([e.reward for e in episodes]),
         "mean_turns": mean([float(len(e.turns)) for e in episodes]),
-        "reward_timeouts": pool.stats.timeouts,
-        "reward_crashes": pool.stats.crashes,
-        "reward_errors": pool.stats.errors,
-        "reward_undecided": pool.stats.undecided,
+        "reward_timeouts": reward_stats["timeouts"],
+        "reward_crashes": reward_stats["crashes"],
+        "reward_errors": reward_stats["errors"],
+        "reward_undecided": reward_stats["undecided"],
         **asdict(counters),
         "elapsed_s": round(elapsed_s, 1),
         "episodes_per_s": round(n / elapsed_s, 3) if elapsed_s > 0 else None,

@@ -19,6 +19,7 @@ from openai import AsyncOpenAI
 from agents.datasets import Sample
 from agents.episode import GatewayRewards
 from agents.math_agent import CORRECTION, SYSTEM_PROMPT, run_math_agent
+from agents.rewards import RewardPool
 from agents.runner import EpisodeRecord, RunnerSettings, run_agents
 from agents.tool_agent import Tool, run_tool_agent
 from tests.agents.reward_fns import accept_all
@@ -160,10 +161,13 @@ async def test_runner_groups_sessions_posts_rewards_and_finishes(gateway):
 async def test_runner_with_an_injected_reward_function_stops_after_turn_one(gateway):
     settings = RunnerSettings(gateway=gateway.base_url, admin_key=gateway.admin_key, dataset="synthetic:1",
                               limit=2, group_size=1, concurrency=2, max_tokens=8, progress=False)
-    settings.validate()
-    summary = await run_agents(settings, reward_fn=accept_all)
-    assert summary["accuracy_turn1"] == summary["accuracy_final"] == summary["mean_reward"] == 1.0
-    assert summary["mean_turns"] == 1.0 and summary["episodes"] == 2
+    with RewardPool(workers=1) as pool:  # one warm pool for several runs, as `agentrl up` may keep it
+        for offset in (0, 2):
+            settings.offset = offset
+            summary = await run_agents(settings, reward_fn=accept_all, reward_pool=pool)
+            assert summary["accuracy_turn1"] == summary["accuracy_final"] == summary["mean_reward"] == 1.0
+            assert summary["mean_turns"] == 1.0 and summary["episodes"] == 2
+        assert pool.stats.calls == 4
 
 
 def test_cli_prints_the_summary(gateway, capsys):

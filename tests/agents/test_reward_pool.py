@@ -84,3 +84,10 @@ async def test_workers_that_do_not_start_in_time_count_as_a_crash():
     with RewardPool(workers=1, timeout_s=5.0, retries=0, startup_timeout_s=0.001) as pool:
         assert await pool.score(math_reward, "#### 1", "1") == 0.0
         assert pool.stats.crashes == 1 and pool.stats.undecided == 1
+
+
+def test_one_pool_serves_several_event_loops():
+    with RewardPool(workers=1, timeout_s=5.0) as pool:
+        assert asyncio.run(pool.score(math_reward, "#### 2", "2")) == 1.0
+        assert asyncio.run(pool.score(math_reward, "#### 3", "2")) == 0.0
+        assert pool.stats.calls == 2 and pool.stats.undecided == 0
