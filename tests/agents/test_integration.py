@@ -170,7 +170,8 @@ async def test_runner_with_an_injected_reward_function_stops_after_turn_one(gate
         assert pool.stats.calls == 4
 
 
-def test_cli_prints_the_summary(gateway, capsys):
+@pytest.mark.parametrize("agent", ["math", "tools"])
+def test_cli_prints_the_summary(gateway, capsys, agent):
     import argparse
 
     from agents.cli import register
@@ -182,12 +183,13 @@ def test_cli_prints_the_summary(gateway, capsys):
         args = parser.parse_args(argv)
         return args.func(args)
 
-    code = main(["agent", "math", "--gateway", gateway.base_url, "--admin-key", gateway.admin_key,
+    code = main(["agent", agent, "--gateway", gateway.base_url, "--admin-key", gateway.admin_key,
                  "--dataset", "synthetic:2", "--limit", "1", "--group-size", "2", "--max-tokens", "8",
                  "--no-progress", "--eval"])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["episodes"] == 2 and summary["eval"] is True and summary["failed"] == 0
+    assert summary["agent"] == agent and 1.0 <= summary["mean_turns"] <= (2 if agent == "math" else 4)
 
 
 async def test_runner_groups_reach_the_trainer_as_complete_groups(gateway):
