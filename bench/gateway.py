@@ -38,6 +38,7 @@ from agentrl.procs import Processes  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 ADMIN, AGENT = "bench-admin", "bench-agent"
+PEER_KEY = "sk-bench-" + "5f3a9c" * 6  # LiteLLM refuses to start without a master key
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Say hello in one short sentence."}]
 
@@ -144,7 +145,8 @@ def main() -> int:
             config.write_text(
                 "model_list:\n  - model_name: standin\n    litellm_params:\n      model: openai/standin\n"
                 f"      api_base: {upstream}/v1\n      api_key: none\n"
-                "litellm_settings:\n  telemetry: false\n  set_verbose: false\n")
+                "litellm_settings:\n  telemetry: false\n  set_verbose: false\n"
+                f"general_settings:\n  master_key: {PEER_KEY}\n")
             child = procs.start("litellm", [litellm, "--config", str(config), "--port", str(peer_port),
                                             "--num_workers", "1"],
                                 env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})
@@ -174,7 +176,7 @@ def main() -> int:
             return {"Authorization": f"Bearer {keys[slot]}"}
 
         def peer_auth(_: int) -> dict[str, str]:
-            return {"Authorization": "Bearer none"}
+            return {"Authorization": f"Bearer {PEER_KEY}"}
 
         for c in levels:
             n = max(args.requests, 4 * c)

@@ -78,13 +78,13 @@ class FlakyTransport(httpx.AsyncBaseTransport):
 @pytest.fixture
 def make_gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> Callable[..., Any]:
     @asynccontextmanager
-    async def make(replies: list[str], **overrides: Any) -> AsyncIterator[Gw]:
+    async def make(replies: list[str], tok: Any = None, **overrides: Any) -> AsyncIterator[Gw]:
         engine = FlakyTransport(build_app(str(tiny_model_dir), replies, tokenizer=tokenizer))
         settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
                                    admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600, **overrides)
         settings.validate()
         async with httpx.AsyncClient(transport=engine) as engine_http:
-            app = create_app(settings, http=engine_http, tokenizer=tokenizer)
+            app = create_app(settings, http=engine_http, tokenizer=tok or tokenizer)
             async with app.router.lifespan_context(app):
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
                                              timeout=30) as http:
@@ -140,6 +140,39 @@ async def test_three_turns_with_tool_call_are_stitched_token_exact(make_gw: Any)
         assert [m["role"] for m in t3.request["messages"]] == ["user"]
         assert t1.output_versions == [0] * len(t1.output_ids)
         assert t1.output_logprobs == pytest.approx([-0.25] * len(t1.output_ids))
+
+
+# ChatML that drops earlier <think> blocks from assistant messages (as reasoning models' templates do)
+THINK_STRIPPING = (
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'assistant' -%}"
+    "{%- set content = message.content or '' -%}"
+    "{%- if not loop.last and '</think>' in content -%}{%- set content = content.split('</think>')[-1] -%}{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+async def test_think_stripping_template_keeps_the_parents_real_tokens(make_gw: Any, tiny_model_dir: Path) -> None:
+    tok = load_tokenizer(tiny_model_dir)
+    tok.chat_template = THINK_STRIPPING
+    async with make_gw(["<think>2+2 is 4</think>It is 4.", "Yes."], tok=tok) as gw:
+        client = gw.sdk()
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "2+2?"}]
+        r1 = await client.chat.completions.create(model="m", messages=msgs, max_tokens=50)
+        msgs += [assistant(r1.choices[0].message), {"role": "user", "content": "Sure?"}]
+        r2 = await client.chat.completions.create(model="m", messages=msgs, max_tokens=50)
+        t1, t2 = [await gw.store.get_interaction(interaction_id=r.id) for r in (r1, r2)]
+        assert t2.parent_id == t1.id and t2.root_reason is None
+        parent_full = await gw.store.full_sequence(interaction_id=t1.id)
+        stitched = parent_full + t2.prompt_ids
+        assert "<think>2+2 is 4</think>" in tok.decode(stitched)  # the model's real tokens are kept
+        rerendered = gw.svc.template.render(msgs, None)
+        assert "<think>" not in tok.decode(rerendered) and rerendered != stitched
+        metrics = (await gw.http.get("/metrics")).text
+        assert 'agentrl_gateway_template_drift_total{reason="rerender_differs"} 1.0' in metrics
 
 
 async def test_two_parallel_tool_calls_come_back_streamed_and_not(make_gw: Any) -> None:
