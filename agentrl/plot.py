@@ -19,8 +19,8 @@ def reward_curve(steps: list[dict[str, Any]], path: Path, *, title: str, evals: 
     ax.plot(xs, [s["final_accuracy"] for s in steps], "^--", label="final accuracy (after retries)")
     for name, style in (("before", ":"), ("after", "-.")):
         if evals and name in evals:
-            ax.axhline(evals[name]["final_accuracy"], color="grey", linestyle=style, linewidth=1,
-                       label=f"eval {name} training: {evals[name]['final_accuracy']:.2f}")
+            acc = evals[name].get("accuracy_final") or 0.0
+            ax.axhline(acc, color="grey", linestyle=style, linewidth=1, label=f"eval {name} training (final acc): {acc:.2f}")
     ax.set_xlabel("trainer step (weight version before the step)")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)

@@ -132,7 +132,7 @@ def up(settings: UpSettings) -> dict[str, Any]:
             db = settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}"
             gateway_args = ["gateway", "--engine-url", engine_url, "--db", db, "--port", str(gport),
                             "--admin-key", admin_key, "--group-size", str(settings.group_size),
-                            "--batch-groups", str(settings.batch_groups), "--gamma", str(settings.gamma)]
+                            "--gamma", str(settings.gamma)]
             if settings.redis:
                 gateway_args += ["--redis", settings.redis]
             say(f"starting gateway on :{gport} (db {db})")
