@@ -306,6 +306,20 @@ async def test_completions_prompt_text_and_ids_recorded_as_roots(make_gw: Any) -
         assert {t.root_reason for t in turns.values()} == {"completion"}
         models = await client.models.list()
         assert [m.id for m in models.data] == ["tiny"]
+        stream = await client.completions.create(model="m", prompt="Capital?", max_tokens=10, stream=True)
+        text, sid, finish = "", None, None
+        async for chunk in stream:
+            sid = chunk.id
+            text += "".join(c.text for c in chunk.choices)
+            finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+        assert text == "Paris" and finish == "stop"
+        assert (await gw.store.get_interaction(interaction_id=sid)).root_reason == "completion"
+        other = await gw.session()
+        tree = await gw.http.get(f"/v1/sessions/{sess['session_id']}",
+                                 headers={"Authorization": f"Bearer {other['api_key']}"})
+        assert tree.status_code == 403
+        unknown = await gw.http.get("/v1/sessions/nope", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "session_id"
 
 
 # --------------------------------------------------------------------------------------------- sessions
