@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
+from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
 
 log = logging.getLogger("agentrl.gateway.engine")
 
@@ -150,6 +150,8 @@ class EngineClient:
             return
         message = _error_message(resp)
         if resp.status_code == 400:
+            if "context" in message.lower() or "too long" in message.lower():
+                raise ContextLengthExceeded(f"the engine rejected the prompt: {message}", param="messages")
             raise InvalidRequest(f"the engine rejected the request: {message}")
         if resp.status_code == 503:
             raise EngineUnavailable(f"engine {self.base_url} unavailable: {message}")

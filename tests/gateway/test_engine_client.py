@@ -105,8 +105,9 @@ async def test_generate_translates_http_errors() -> None:
     assert sent["sampling_params"] == {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0,
                                        "skip_special_tokens": False, "sampling_seed": 4, "stop": ["x"],
                                        "stop_token_ids": [EOT]}
-    with pytest.raises(InvalidRequest, match="prompt too long"):
+    with pytest.raises(InvalidRequest, match="prompt too long") as err:
         await collect(router, [666], params, affinity_key=None, stream=False)
+    assert err.value.code == "context_length_exceeded"
     engine.healthy = False
     with pytest.raises(EngineUnavailable):
         await collect(router, [1], params, affinity_key=None, stream=False)
