@@ -1,0 +1,89 @@
+"""`agentrl up --quick` end to end on the tiny model: real engine, gateway and trainer processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except OSError:
+        return False
+
+
+def _children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_up_quick_on_tiny_runs_the_whole_loop_and_stops_everything(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "agentrl", "up", "--quick", "--model", "tiny", "--out-dir", str(out),
+           "--steps", "2", "--batch-groups", "2", "--group-size", "2", "--eval-limit", "4",
+           "--max-tokens", "8", "--concurrency", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen_children: set[int] = set()
+    lines: list[str] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        seen_children.update(_children_of(proc.pid))
+    assert proc.wait(timeout=600) == 0, "".join(lines[-40:])
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and len(summary["per_step"]) == 2
+    for row in summary["per_step"]:
+        assert row["episodes"] == 4  # 2 prompts x group of 2
+        assert 0.0 <= row["mean_reward"] <= 1.0
+    assert summary["eval_before"]["accuracy_turn1"] is not None
+    png = Path(summary["reward_curve"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    checkpoint = Path(summary["checkpoint"])
+    assert (checkpoint / "config.json").exists() and any(checkpoint.glob("*.safetensors"))
+    # the trainer reached weight version 2 and the engine served it
+    metrics = [json.loads(l) for l in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2]
+    assert "eval after" in "".join(lines)
+    # every process it started is gone
+    assert seen_children, "agentrl up started no child processes?"
+    time.sleep(0.5)
+    assert [pid for pid in seen_children if _alive(pid)] == []
+
+
+def test_up_stops_its_children_on_sigint(tmp_path, tiny_model_dir):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl", "up", "--model", "tiny", "--out-dir", str(out),
+                             "--eval-limit", "4", "--max-tokens", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    children: set[int] = set()
+    for line in proc.stdout:
+        children.update(_children_of(proc.pid))
+        if "starting trainer" in line:
+            break
+    time.sleep(1.0)
+    children.update(_children_of(proc.pid))
+    assert len(children) >= 3  # engine, gateway, trainer
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 130, rest
+    time.sleep(0.5)
+    assert [pid for pid in children if _alive(pid)] == []
