@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 # Keep NVLink multicast off everywhere (it can take the host's shared GPUs down); children inherit these.
+_KEEP: list = []  # process groups kept alive until exit
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 MODELS = ("tiny", "qwen2.5-1.5b")
 PROMPT = [1, 9690, 198, 2683, 314, 253, 1345, 30, 2, 198, 1, 520, 9531, 198]  # SmolLM2 ids, any model accepts them
@@ -62,15 +63,36 @@ STEP_KEYS = ("actor/loss", "actor/grad_norm", "actor/entropy", "batch/loss_token
 # ------------------------------------------------------------------------------------------------- inputs
 
 
-def model_dir(name: str, dtype: str) -> Path:
-    """The HF directory of random weights that both the trainer and the engine load."""
-    from engine.models import tiny_dir
+def model_dir(name: str, dtype: str, device: str) -> Path:
+    """The HF directory of random weights (seed 0) that both the trainer and the engine load.
+
+    ``qwen2.5-1.5b`` is built from a Qwen2Config in code (``bench.weight_sync.build_config``), initialised on
+    ``device`` (seconds on a GPU instead of a minute on CPU), with SmolLM2's tokenizer files.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from bench.weight_sync import build_config
+    from engine.models import agentrl_home, tiny_dir
 
     if name == "tiny":
         return tiny_dir()
-    from bench.weight_sync import model_dir as shaped_dir  # Qwen2Config built in code, SmolLM2 tokenizer
-
-    return shaped_dir(name, dtype)
+    target = agentrl_home() / "bench" / f"two-gpu-{name}-{dtype}"
+    if (target / "config.json").exists():
+        return target
+    config = build_config(name, vocab=49152)
+    config.dtype = dtype
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    model.save_pretrained(tmp)
+    del model
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (tiny_dir() / file).exists():
+            shutil.copy2(tiny_dir() / file, tmp / file)
+    os.rename(tmp, target)
+    return target
 
 
 def synthetic_batch(n_rows: int, seq_len: int, *, vocab: int, group_size: int = 4, seed: int = 0) -> list:
@@ -205,7 +227,7 @@ def compare_steps(one: dict[str, Any], two: dict[str, Any], dtype: str) -> list[
 
 def floor_worker(args: argparse.Namespace) -> int:
     """Receiver of the raw-broadcast floor: joins the group as rank 1, receives, checks the bytes."""
-    from agentrl.weight_group import broadcast_tensors, destroy_weight_group, init_weight_group
+    from agentrl.weight_group import broadcast_tensors, init_weight_group
 
     device = torch.device("cuda", 0) if args.backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -217,15 +239,15 @@ def floor_worker(args: argparse.Namespace) -> int:
         buf.zero_()
         broadcast_tensors(group, [buf], src=0)
     ok = bool((buf == 7).all())
-    destroy_weight_group(group)
     print(f"floor receiver: {args.nbytes} bytes x {args.pushes + 1}, content ok: {ok}", flush=True)
-    return 0 if ok else 1
+    _KEEP.append(group)  # NCCL's shutdown can wait for the peer; the process exit releases the group
+    os._exit(0 if ok else 1)
 
 
 def raw_broadcast_floor(nbytes: int, backend: str, device: torch.device, gpu: int | None, repeats: int, procs,
                         timeout_s: float) -> float:
     """Median seconds of one broadcast of ``nbytes`` in one flat buffer from this process to a receiver process."""
-    from agentrl.weight_group import broadcast_tensors, destroy_weight_group, init_weight_group
+    from agentrl.weight_group import broadcast_tensors, init_weight_group
 
     port = free_port()
     env = {**NO_MULTICAST, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {})}
@@ -245,8 +267,8 @@ def raw_broadcast_floor(nbytes: int, backend: str, device: torch.device, gpu: in
         broadcast_tensors(group, [buf], src=0)
         if i:
             times.append(time.perf_counter() - start)
-    rc = child.proc.wait(timeout=timeout_s)
-    destroy_weight_group(group)
+    rc = child.proc.wait(timeout=min(timeout_s, 120.0))
+    _KEEP.append(group)  # not destroyed: NCCL's shutdown can wait for the (gone) peer; exit releases it
     if rc != 0:
         raise RuntimeError(f"raw broadcast receiver exited {rc}:\n{child.tail()}")
     return statistics.median(times)
@@ -305,9 +327,10 @@ class Reference:
 
     @torch.no_grad()
     def load(self, trainer_model: torch.nn.Module) -> None:
-        from trainer.model import iter_full_tensors
+        from trainer.model import iter_full_tensors, served_dtype
 
-        state = {name: t.to(self.device, torch.float32) for name, t in iter_full_tensors(trainer_model)}
+        pushed = iter_full_tensors(trainer_model, dtype=served_dtype(trainer_model))  # what the engine receives
+        state = {name: t.to(self.device, torch.float32) for name, t in pushed}
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
 
@@ -353,8 +376,7 @@ def run_push(args: argparse.Namespace, path: Path, log_dir: Path) -> tuple[list[
     import httpx
 
     from agentrl.procs import Processes
-    from agentrl.weight_group import destroy_weight_group
-    from trainer.model import init_distributed, load_model, weight_bytes
+    from trainer.model import init_distributed, load_model, served_dtype, weight_bytes
     from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, push_weights
 
     info = init_distributed(args.device)
@@ -375,7 +397,7 @@ def run_push(args: argparse.Namespace, path: Path, log_dir: Path) -> tuple[list[
                                         str(port), "--device", args.device], env=engine_env)
         url = f"http://127.0.0.1:{port}"
         model = load_model(path, dtype=args.dtype, device=info.device)  # loads while the engine starts
-        nbytes = weight_bytes(model)
+        nbytes = weight_bytes(model, served_dtype(model))  # pushes cast the float32 masters to this
         ref = Reference(model.config, info.device)
         procs.wait_healthy(engine, url + "/health", timeout_s=args.child_timeout_s)
         where = f"engine on GPU {engine_gpu}, trainer on GPU 0" if cuda else "engine and trainer on CPU"
@@ -385,9 +407,13 @@ def run_push(args: argparse.Namespace, path: Path, log_dir: Path) -> tuple[list[
         rows.append({"mode": f"floor: device copy ({info.device.type})", "seconds": copy_floor(nbytes, info.device, args.pushes),
                      "bytes": nbytes})
         if can_broadcast:
-            rows.append({"mode": f"floor: raw {backend} broadcast, one flat buffer",
-                         "seconds": raw_broadcast_floor(nbytes, backend, info.device, engine_gpu, args.pushes, procs,
-                                                        args.child_timeout_s), "bytes": nbytes})
+            try:
+                raw = raw_broadcast_floor(nbytes, backend, info.device, engine_gpu, args.pushes, procs, args.child_timeout_s)
+                rows.append({"mode": f"floor: raw {backend} broadcast, one flat buffer", "seconds": raw, "bytes": nbytes})
+            except Exception as exc:  # noqa: BLE001 - report it and go on with the pushes
+                rows.append({"mode": f"floor: raw {backend} broadcast", "seconds": float("nan"), "bytes": nbytes,
+                             "note": f"failed: {exc!r}"[:300]})
+                checks.append({"check": "raw broadcast floor ran", "value": repr(exc)[:200], "limit": "no error", "ok": False})
         else:
             rows.append({"mode": f"floor: raw {backend} broadcast", "seconds": float("nan"), "bytes": nbytes,
                          "note": "not run: one GPU (NCCL cannot join two ranks on one device)"})
@@ -434,8 +460,7 @@ def run_push(args: argparse.Namespace, path: Path, log_dir: Path) -> tuple[list[
             found, _ = check_engine(url, ref, version, before, f"after broadcast pushes (v{version})", tol,
                                     args.gen_tokens)
             checks += found
-            if bcast.group is not None:
-                destroy_weight_group(bcast.group)
+            _KEEP.append(bcast.group)  # see raw_broadcast_floor: not destroyed while the engine may be gone
         else:
             rows.append({"mode": f"broadcast ({backend})", "seconds": float("nan"), "bytes": nbytes,
                          "note": "not run: one GPU (NCCL cannot join two ranks on one device)"})
@@ -453,7 +478,8 @@ def fmt(x: float, digits: int = 4) -> str:
 
 def render(meta: dict[str, Any], steps: dict[str, Any], push_rows: list[dict[str, Any]], checks: list[dict[str, Any]]) -> str:
     lines = [f"## Two-GPU run: {meta['date']}, {meta['machine']}", "",
-             f"model {meta['model']} ({meta['params'] / 1e9:.3f} B params, {meta['dtype']}), batch {meta['rows']} rows x "
+             f"model {meta['model']} ({meta['params'] / 1e9:.3f} B params; trainer: float32 master weights, "
+             f"{meta['dtype']} compute; pushes and engine: the config's dtype), batch {meta['rows']} rows x "
              f"{meta['seq_len']} tokens, micro-batch budget {meta['micro_batch_tokens']} tokens, torch {meta['torch']}", ""]
     if steps:
         lines += ["| GRPO step | loss (step 1) | grad norm (step 1) | entropy | step s (median) | tokens/s | peak GiB (rank 0) |",
@@ -556,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device == "cuda"
     n_gpus = torch.cuda.device_count() if cuda else 0
     start = time.perf_counter()
-    path = model_dir(args.model, args.dtype)
+    path = model_dir(args.model, args.dtype, "cuda:0" if cuda else "cpu")
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -619,4 +645,7 @@ def _param_count(config) -> list[int]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: a kept NCCL group's destructor can wait for a peer that is gone
