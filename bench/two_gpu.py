@@ -235,9 +235,10 @@ def floor_worker(args: argparse.Namespace) -> int:
     group = init_weight_group(master_address="127.0.0.1", master_port=args.port, rank=1, world_size=2,
                               backend=args.backend, group_name="raw_floor", timeout_s=300)
     buf = torch.zeros(args.nbytes, dtype=torch.uint8, device=device)
-    for _ in range(args.pushes + 1):
+    for i in range(args.pushes + 1):
         buf.zero_()
         broadcast_tensors(group, [buf], src=0)
+        print(f"floor receiver: broadcast {i + 1}/{args.pushes + 1} received", flush=True)
     ok = bool((buf == 7).all())
     print(f"floor receiver: {args.nbytes} bytes x {args.pushes + 1}, content ok: {ok}", flush=True)
     _KEEP.append(group)  # NCCL's shutdown can wait for the peer; the process exit releases the group
