@@ -39,10 +39,10 @@ class UpSettings:
     quick: bool = field(default=False, metadata={"help": "a run of a few minutes: fewer steps, prompts and evals"})
     dataset: str = field(default="synthetic:1", metadata={"help": "training/eval task: synthetic[:DIFFICULTY] or gsm8k:PATH"})
     agent: str = field(default="math", metadata={"help": "example agent: math (multi-turn with self-correction) or tools"})
-    steps: int = field(default=10, metadata={"help": "trainer steps (quick: 3)"})
+    steps: int = field(default=4, metadata={"help": "trainer steps (quick: 2)"})
     group_size: int = field(default=4, metadata={"help": "sessions per prompt (a GRPO group)"})
-    batch_groups: int = field(default=8, metadata={"help": "groups per trainer step (quick: 4)"})
-    eval_limit: int = field(default=64, metadata={"help": "held-out prompts evaluated before and after training (quick: 16)"})
+    batch_groups: int = field(default=4, metadata={"help": "groups per trainer step (quick: 2)"})
+    eval_limit: int = field(default=24, metadata={"help": "held-out prompts evaluated before and after training (quick: 8)"})
     max_turns: int = field(default=2, metadata={"help": "model calls per episode (self-correction turns)"})
     max_tokens: int = field(default=96, metadata={"help": "max new tokens per model call"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of training rollouts"})
@@ -59,9 +59,9 @@ class UpSettings:
 
     def validate(self) -> None:
         if self.quick:
-            self.steps = min(self.steps, 3)
-            self.batch_groups = min(self.batch_groups, 4)
-            self.eval_limit = min(self.eval_limit, 16)
+            self.steps = min(self.steps, 2)
+            self.batch_groups = min(self.batch_groups, 2)
+            self.eval_limit = min(self.eval_limit, 8)
         if self.steps < 1:
             raise SettingsError("--steps must be at least 1")
         if self.group_size < 2:
