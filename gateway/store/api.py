@@ -389,6 +389,40 @@ class Store:
             await self._redis.put_session(row["key_hash"], updated)
         return updated
 
+    async def claim_sessions(
+        self, *, session_ids: Sequence[str], status: SessionStatus, expected: Collection[str]
+    ) -> list[SessionRecord]:
+        """Move several sessions to ``status`` in one transaction, all or none: Conflict (and nothing
+        changed) unless every one of them is currently in ``expected``; NotFound for an unknown id. This is
+        how a GRPO group is claimed for export, so two exporters can never split a group between them."""
+        if status not in SESSION_STATUSES:
+            raise InvalidValue(f"unknown session status {status!r}; valid: {', '.join(SESSION_STATUSES)}")
+        s = schema.sessions
+        ids = list(dict.fromkeys(session_ids))
+        async with self._write_tx() as conn:
+            query = sa.select(s).where(s.c.id.in_(ids)).order_by(s.c.id)
+            if not self._is_sqlite:
+                query = query.with_for_update()
+            rows = {row["id"]: row for row in (await conn.execute(query)).mappings().all()}
+            missing = [i for i in ids if i not in rows]
+            if missing:
+                raise NotFound(f"unknown session(s) {missing}")
+            wrong = {i: rows[i]["status"] for i in ids if rows[i]["status"] not in expected}
+            if wrong:
+                raise Conflict(f"sessions not in {sorted(expected)}: {wrong}")
+            updated: list[tuple[Any, SessionRecord]] = []
+            for i in ids:
+                row = rows[i]
+                values: dict[str, Any] = {"status": status, "version": row["version"] + 1}
+                if status == "finished" and row["finished_at"] is None:
+                    values["finished_at"] = time.time()
+                await conn.execute(sa.update(s).where(s.c.id == i).values(**values))
+                updated.append((row["key_hash"], session_from_row({**row, **values})))
+        if self._redis is not None:
+            for key_hash, record in updated:
+                await self._redis.put_session(key_hash, record)
+        return [record for _, record in updated]
+
     async def list_sessions(
         self,
         *,

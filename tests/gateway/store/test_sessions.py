@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.store import Conflict, InvalidValue, NotFound, Store
@@ -67,3 +69,41 @@ async def test_list_and_touch(store: Store) -> None:
     assert (await store.get_session(session_id=a.id)).last_activity_at == a.created_at + 100
     with pytest.raises(NotFound):
         await store.touch_session(session_id="nope")
+
+
+async def test_claim_sessions_is_all_or_nothing(store: Store) -> None:
+    a = await store.create_session(group_id="g")
+    b = await store.create_session(group_id="g")
+    await store.finish_session(session_id=a.id)
+    # b is still active: claiming the group changes nothing, not even a
+    with pytest.raises(Conflict):
+        await store.claim_sessions(session_ids=[a.id, b.id], status="consumed", expected={"finished"})
+    assert [s.status for s in await store.list_sessions(group_id="g")] == ["finished", "active"]
+    await store.finish_session(session_id=b.id)
+    claimed = await store.claim_sessions(session_ids=[a.id, b.id], status="consumed", expected={"finished"})
+    assert [(s.id, s.status) for s in claimed] == [(a.id, "consumed"), (b.id, "consumed")]
+    assert all(r.version == 2 for r in claimed)  # created 0 -> finished 1 -> consumed 2
+    # a second claimer loses the whole group
+    with pytest.raises(Conflict):
+        await store.claim_sessions(session_ids=[a.id, b.id], status="consumed", expected={"finished"})
+    assert b.api_key is not None
+    assert (await store.get_session_by_key(api_key=b.api_key)).status == "consumed"
+    with pytest.raises(NotFound):
+        await store.claim_sessions(session_ids=[a.id, "nope"], status="consumed", expected={"consumed"})
+
+
+async def test_concurrent_claims_of_one_group_have_one_winner(store: Store) -> None:
+    ids = []
+    for _ in range(4):
+        s = await store.create_session(group_id="g")
+        await store.finish_session(session_id=s.id)
+        ids.append(s.id)
+
+    async def claim(order: list[str]) -> int:
+        try:
+            return len(await store.claim_sessions(session_ids=order, status="consumed", expected={"finished"}))
+        except Conflict:
+            return 0
+
+    results = await asyncio.gather(claim(ids), claim(ids[::-1]), claim(ids[1:] + ids[:1]))
+    assert sorted(results) == [0, 0, 4]
