@@ -245,6 +245,7 @@ class TrajectoryService:
         self.staleness = StalenessControl(store.engine, default_group_size=settings.group_size,
                                           retry_after_s=settings.retry_after_s)
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._wake = asyncio.Event()
         self._has_reward: set[str] = set()
         self._leader_id = uuid.uuid4().hex
@@ -254,15 +255,22 @@ class TrajectoryService:
 
     def start(self) -> None:
         if self._task is None:
+            self._stopping = False
             self._task = asyncio.create_task(self._run(), name="agentrl-lifecycle")
 
     async def stop(self) -> None:
         if self._task is not None:
+            # The flag ends the loop even if a cancellation is swallowed somewhere below it (a library
+            # that catches CancelledError); the cancel ends a tick that is waiting on the store.
+            self._stopping = True
+            self._wake.set()
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
-                pass
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # our caller was cancelled, not (only) the loop
             self._task = None
         await self.queue.close()
 
@@ -271,7 +279,7 @@ class TrajectoryService:
         self._wake.set()
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 await self.tick()
             except asyncio.CancelledError:
@@ -280,8 +288,13 @@ class TrajectoryService:
                 self.stats.tick_errors += 1
                 log.exception("lifecycle tick failed")
             self._wake.clear()
+            # Not asyncio.wait_for: on Python 3.11 it returns normally, swallowing the cancellation, when
+            # the task is cancelled in the same loop iteration as the event is set (a notify() such as
+            # POST /admin/trainer's just before shutdown), and stop() then waited forever.
+            # asyncio.timeout never swallows an outside cancellation.
             try:
-                await asyncio.wait_for(self._wake.wait(), self.settings.tick_s)
+                async with asyncio.timeout(self.settings.tick_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

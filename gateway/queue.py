@@ -166,8 +166,9 @@ class _Waiter:
 
     async def wait(self, timeout: float) -> None:
         self._event.clear()
-        try:
-            await asyncio.wait_for(self._event.wait(), timeout)
+        try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation (see lifecycle)
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
         except TimeoutError:
             pass
 

@@ -7,6 +7,7 @@ model cannot be made to emit tool calls). Recording goes to a real SQLite store.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -458,6 +459,8 @@ async def test_admin_api_and_metrics(make_gw: Any) -> None:
         assert status.status_code == 200 and "policy" in status.json()
         bad = await gw.post("/admin/trainer", {"version": -1, "batch_size": 4, "staleness_bound": 1}, key=ADMIN)
         assert bad.status_code == 400
+        ok = await gw.post("/admin/trainer", {"version": 3, "batch_size": 4, "staleness_bound": 1}, key=ADMIN)
+        assert ok.status_code == 200 and ok.json()["trainer"]["version"] == 3
         health = await gw.http.get("/health")
         assert health.status_code == 200 and health.json()["weight_version"] == 3
         metrics = (await gw.http.get("/metrics")).text
@@ -465,3 +468,26 @@ async def test_admin_api_and_metrics(make_gw: Any) -> None:
         assert "agentrl_gateway_template_drift_total" in metrics
         missing = await gw.http.get("/v1/nothing")
         assert missing.status_code == 404 and "error" in missing.json()
+
+
+async def test_shutdown_right_after_a_trainer_update_completes(make_gw: Any) -> None:
+    """POST /admin/trainer wakes the lifecycle loop; leaving the app's lifespan right after it must stop
+    that loop (it used to keep running, its cancellation swallowed, and shutdown hung)."""
+    gw_cm = make_gw(["a"])
+    gw = await gw_cm.__aenter__()
+    try:
+        await gw.sdk().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=5)
+        ok = await gw.post("/admin/trainer", {"version": 0, "batch_size": 4, "staleness_bound": 1}, key=ADMIN)
+        assert ok.status_code == 200
+        loop_task = gw.app.state.trajectories._task
+    except BaseException:
+        await gw_cm.__aexit__(None, None, None)
+        raise
+    exiting = asyncio.ensure_future(gw_cm.__aexit__(None, None, None))
+    done, _ = await asyncio.wait({exiting}, timeout=10)  # a hang check: asyncio.wait never cancels it
+    if not done:
+        exiting.cancel()
+        await asyncio.gather(exiting, return_exceptions=True)
+    assert done, "the gateway's shutdown hung after POST /admin/trainer"
+    assert loop_task.done()

@@ -186,3 +186,26 @@ async def test_two_replicas_export_each_group_once(pg_url, redis_prefix):
         for svc, store in zip(services, stores):
             await svc.stop()
             await store.close()
+
+
+async def test_stop_ends_the_loop_when_cancelled_right_after_a_wake_up(service):
+    """Shutdown right after a notify() (e.g. POST /admin/trainer just before the app exits). The cancel can
+    land in any loop iteration after the wake-up; with asyncio.wait_for (Python 3.11) one of them swallowed
+    it and stop() waited forever."""
+    service.settings.tick_s = 30.0  # the loop sits in its wait between ticks, not in a tick
+    for yields in range(6):
+        service.start()
+        while service.stats.ticks == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # let the first tick finish
+        service.notify()
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        stopping = asyncio.create_task(service.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=5)  # a hang check, not a timing figure
+        if not done:
+            stopping.cancel()  # a second cancel does reach the loop; leave nothing running
+            await asyncio.gather(stopping, return_exceptions=True)
+        assert done, f"stop() hung after a wake-up followed by {yields} loop iterations"
+        service.stats.ticks = 0
+
