@@ -18,11 +18,9 @@ import httpx
 import numpy as np
 import torch
 
-from agentrl.trajectory import Row, decode_batch, discounted_returns
+from agentrl.trajectory import LEASE_HEADER, Row, decode_batch, discounted_returns
 
 log = logging.getLogger(__name__)
-
-LEASE_HEADER = "X-Agentrl-Lease-Id"  # as agentrl.trajectory.LEASE_HEADER (the gateway's lease route)
 
 
 class GatewayError(RuntimeError):
