@@ -10,35 +10,34 @@ _SWAP = sys.byteorder != "little"
 assert array("i").itemsize == 4 and array("f").itemsize == 4, "int32/float32 array codes expected"
 
 
-def pack_i32(values: Sequence[int]) -> bytes:
-    arr = array("i", values)
+def _pack(code: str, values: Sequence[float]) -> bytes:
+    arr = array(code, values)
     if _SWAP:  # pragma: no cover - big-endian hosts only
         arr.byteswap()
     return arr.tobytes()
 
 
-def unpack_i32(data: bytes | None) -> list[int]:
+def _unpack(code: str, data: bytes | None) -> list:  # type: ignore[type-arg]
     if not data:
         return []
-    arr = array("i")
+    arr = array(code)
     arr.frombytes(data)
     if _SWAP:  # pragma: no cover
         arr.byteswap()
     return arr.tolist()
+
+
+def pack_i32(values: Sequence[int]) -> bytes:
+    return _pack("i", values)
+
+
+def unpack_i32(data: bytes | None) -> list[int]:
+    return _unpack("i", data)
 
 
 def pack_f32(values: Sequence[float]) -> bytes:
-    arr = array("f", values)
-    if _SWAP:  # pragma: no cover
-        arr.byteswap()
-    return arr.tobytes()
+    return _pack("f", values)
 
 
 def unpack_f32(data: bytes | None) -> list[float]:
-    if not data:
-        return []
-    arr = array("f")
-    arr.frombytes(data)
-    if _SWAP:  # pragma: no cover
-        arr.byteswap()
-    return arr.tolist()
+    return _unpack("f", data)
