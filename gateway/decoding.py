@@ -107,17 +107,18 @@ class ChoiceDecoder:
                 lo = mid + 1
         return text[:pos], lo, lo
 
-    # ---- non-streaming ----
-    def finish(self, gen: Generation) -> ChoiceResult:
+    def _final_text(self, gen: Generation) -> tuple[str, int, int, str]:
+        """(text, tokens kept, tokens visible, finish reason) of a finished generation, stop strings applied."""
         visible = self._visible(gen, final=True)
-        keep = len(gen.output_ids)
-        finish = gen.finish or "length"
         cut = self._cut_at_stop(gen.output_ids, visible)
         if cut is not None:
             text, keep, visible = cut
-            finish = "stop"
-        else:
-            text = self.decode(gen.output_ids[:visible])
+            return text, keep, visible, "stop"
+        return self.decode(gen.output_ids[:visible]), len(gen.output_ids), visible, gen.finish or "length"
+
+    # ---- non-streaming ----
+    def finish(self, gen: Generation) -> ChoiceResult:
+        text, keep, visible, finish = self._final_text(gen)
         content: str | None = text
         calls: list[dict[str, Any]] = []
         if self.parse_tools:
@@ -184,15 +185,7 @@ class ChoiceDecoder:
 
     def end(self, gen: Generation) -> tuple[StreamDelta, ChoiceResult]:
         """The last delta and the finished choice; its message is exactly what the stream released."""
-        visible = self._visible(gen, final=True)
-        keep = len(gen.output_ids)
-        finish = gen.finish or "length"
-        cut = self._cut_at_stop(gen.output_ids, visible)
-        if cut is not None:
-            text, keep, visible = cut
-            finish = "stop"
-        else:
-            text = self.decode(gen.output_ids[:visible])
+        text, keep, visible, finish = self._final_text(gen)
         delta = StreamDelta(token_start=self._released_tokens)
         if len(text) > self._released_text:
             self._emit(text[self._released_text:], delta)
