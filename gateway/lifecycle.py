@@ -386,13 +386,13 @@ class TrajectoryService:
             await self._export(ready, complete=False)
 
     async def _export(self, sessions: list[SessionRecord], *, complete: bool) -> None:
-        claimed: list[SessionRecord] = []
-        for s in sessions:
-            try:
-                claimed.append(await self.store.set_session_status(
-                    session_id=s.id, status="consumed", expected=["finished"]))
-            except (store_errors.Conflict, store_errors.NotFound):
-                continue  # exported by another replica, or changed meanwhile
+        # The group is claimed all or nothing: a second exporter (another replica whose leadership
+        # overlapped, or an overlapping tick) loses the whole group instead of taking half of it.
+        try:
+            claimed = await self.store.claim_sessions(
+                session_ids=[s.id for s in sessions], status="consumed", expected=["finished"])
+        except (store_errors.Conflict, store_errors.NotFound):
+            return  # exported by someone else, or changed meanwhile; the next tick sees the truth
         rows: list[Row] = []
         with_rows: list[str] = []
         no_rows = 0

@@ -209,3 +209,38 @@ async def test_stop_ends_the_loop_when_cancelled_right_after_a_wake_up(service):
         assert done, f"stop() hung after a wake-up followed by {yields} loop iterations"
         service.stats.ticks = 0
 
+
+
+async def test_overlapping_exporters_never_split_a_group(service):
+    """Ticks that overlap (two exporters whose leadership overlapped, or concurrent ticks) claim a group all
+    or nothing: every group goes out once, whole."""
+    store = service.store
+    groups = {}
+    for g in range(4):
+        members = [await session_with_turns(store, f"g{g}") for _ in range(2)]
+        for s in members:
+            await store.finish_session(session_id=s.id)
+        groups[f"g{g}"] = {s.id for s in members}
+    await asyncio.gather(*(service.tick() for _ in range(6)))
+    assert service.stats.groups_exported == 4
+    lease_id, batch = await service.lease_batch(8, 0.0)
+    rows, meta = decode_batch(batch)
+    exported: dict[str, set[str]] = {}
+    for r in rows:
+        exported.setdefault(r.group_id, set()).add(r.session_id)
+    assert exported == groups
+
+
+async def test_two_exports_of_one_group_in_opposite_orders_give_one_whole_group(service):
+    """The race behind a split group, made deterministic: two exporters claim the same group's sessions in
+    opposite orders. Claimed one by one, each would take one session and ship half a group."""
+    store = service.store
+    members = [await session_with_turns(store, "g") for _ in range(2)]
+    for s in members:
+        await store.finish_session(session_id=s.id)
+    members = [await store.get_session(session_id=s.id) for s in members]
+    await asyncio.gather(service._export(members, complete=True), service._export(members[::-1], complete=True))
+    assert service.stats.groups_exported == 1
+    lease_id, batch = await service.lease_batch(8, 0.0)
+    rows, meta = decode_batch(batch)
+    assert {r.session_id for r in rows} == {s.id for s in members}
