@@ -14,6 +14,10 @@ For a chat completion:
 6. record every choice as its own interaction in ONE store call (group commit, all or nothing) and only
    then return the response (or, when streaming, the final chunk).
 
+From the moment its session is known until it is recorded or fails, a turn is reported to the lifecycle
+(``app.state.inflight``, see ``gateway.lifecycle.InFlight``), so that its session is never idle-finished or
+exported under it, also while the turn is held during a weight-sync pause.
+
 Nothing is recorded for a request that fails before step 6 (bad input, engine down), so no partial rows.
 """
 
@@ -26,6 +30,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +98,19 @@ def _ms(start: float) -> float:
 class GenerationService:
     def __init__(self, svc: Services) -> None:
         self.svc = svc
+
+    # ------------------------------------------------------------------------------------ in flight
+    async def _track(self, turn: AsyncExitStack, session: SessionRecord | None) -> None:
+        """Report a turn of ``session`` in flight until ``turn`` closes (no-op for an implicit episode
+        not created yet, or an app without the lifecycle)."""
+        inflight = getattr(self.svc.app_state, "inflight", None)
+        if inflight is not None and session is not None:
+            await turn.enter_async_context(inflight.track(session.id))
+
+    async def _track_planned(self, turn: AsyncExitStack, given: SessionRecord | None, plan: TurnPlan) -> None:
+        """Also track the session planning found (an implicit-mode continuation)."""
+        if plan.session is not None and (given is None or plan.session.id != given.id):
+            await self._track(turn, plan.session)
 
     # ------------------------------------------------------------------------------------ planning
     async def _find_parent(self, session_id: str, candidates: list[tuple[int, str]]) -> Any:
@@ -293,11 +311,14 @@ class GenerationService:
                                          res.top_logprobs, req.top_logprobs or 0)}
 
     async def chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> dict[str, Any]:
-        plan = await self.plan_chat(req, session)
-        params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
-        runs = self._choices(req, "chatcmpl", req.wants_tools)
-        await self._generate_all(plan, params, runs)
-        await self._record(plan, runs, self._chat_chain(plan))
+        async with AsyncExitStack() as turn:
+            await self._track(turn, session)
+            plan = await self.plan_chat(req, session)
+            await self._track_planned(turn, session, plan)
+            params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
+            runs = self._choices(req, "chatcmpl", req.wants_tools)
+            await self._generate_all(plan, params, runs)
+            await self._record(plan, runs, self._chat_chain(plan))
         choices = []
         for run in runs:
             res = run.result
@@ -316,9 +337,20 @@ class GenerationService:
         """Plan and start generating; errors up to the first engine output raise (a normal HTTP error).
 
         Returns an iterator of SSE lines; the final chunk of every choice (``finish_reason``) is sent
-        only after all choices are recorded.
+        only after all choices are recorded. The turn is in flight until that iterator ends.
         """
-        plan = await self.plan_chat(req, session)
+        turn = AsyncExitStack()
+        try:
+            await self._track(turn, session)
+            plan = await self.plan_chat(req, session)
+            await self._track_planned(turn, session, plan)
+            return await self._start_chat_stream(req, plan, turn)
+        except BaseException:
+            await turn.aclose()
+            raise
+
+    async def _start_chat_stream(self, req: ChatCompletionRequest, plan: TurnPlan,
+                                 turn: AsyncExitStack) -> AsyncIterator[bytes]:
         params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
         runs = self._choices(req, "chatcmpl", req.wants_tools)
         created = int(time.time())
@@ -355,7 +387,7 @@ class GenerationService:
         if first[0] == "error":
             await _cancel(tasks)
             raise first[1]
-        return self._sse(plan, runs, tasks, queue, first, chunk, include_usage,
+        return self._sse(plan, runs, tasks, queue, first, chunk, include_usage, turn,
                          lambda run: {"index": run.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None, "response_id": run.id},
                          lambda run: {"index": run.index, "delta": {}, "logprobs": None,
@@ -392,7 +424,7 @@ class GenerationService:
 
     async def _sse(self, plan: TurnPlan, runs: list[ChoiceRun], tasks: list[asyncio.Future[None]],
                    queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any],
-                   chunk: Callable[..., bytes], include_usage: bool,
+                   chunk: Callable[..., bytes], include_usage: bool, turn: AsyncExitStack,
                    opening: Callable[[ChoiceRun], dict[str, Any]] | None,
                    closing: Callable[[ChoiceRun], dict[str, Any]],
                    chain: Callable[[ChoiceRun], str]) -> AsyncIterator[bytes]:
@@ -426,6 +458,7 @@ class GenerationService:
             yield b"data: [DONE]\n\n"
         finally:
             await _cancel(tasks)
+            await turn.aclose()
 
     # ------------------------------------------------------------------------------------ completions
     async def plan_completion(self, req: CompletionRequest, session: SessionRecord | None) -> TurnPlan:
@@ -473,11 +506,13 @@ class GenerationService:
                 "text_offset": None}
 
     async def completion(self, req: CompletionRequest, session: SessionRecord | None) -> dict[str, Any]:
-        plan = await self.plan_completion(req, session)
-        params = self._sampling(req, len(plan.prompt), req.logprobs or 0)
-        runs = self._choices(req, "cmpl", False)
-        await self._generate_all(plan, params, runs)
-        await self._record(plan, runs, self._completion_chain(plan))
+        async with AsyncExitStack() as turn:
+            await self._track(turn, session)
+            plan = await self.plan_completion(req, session)
+            params = self._sampling(req, len(plan.prompt), req.logprobs or 0)
+            runs = self._choices(req, "cmpl", False)
+            await self._generate_all(plan, params, runs)
+            await self._record(plan, runs, self._completion_chain(plan))
         choices = []
         for run in runs:
             res = run.result
@@ -494,7 +529,17 @@ class GenerationService:
                           "total_tokens": len(plan.prompt) + completion}}
 
     async def completion_stream(self, req: CompletionRequest, session: SessionRecord | None) -> AsyncIterator[bytes]:
-        plan = await self.plan_completion(req, session)
+        turn = AsyncExitStack()
+        try:
+            await self._track(turn, session)
+            plan = await self.plan_completion(req, session)
+            return await self._start_completion_stream(req, plan, turn)
+        except BaseException:
+            await turn.aclose()
+            raise
+
+    async def _start_completion_stream(self, req: CompletionRequest, plan: TurnPlan,
+                                       turn: AsyncExitStack) -> AsyncIterator[bytes]:
         params = self._sampling(req, len(plan.prompt), req.logprobs or 0)
         runs = self._choices(req, "cmpl", False)
         created = int(time.time())
@@ -519,7 +564,7 @@ class GenerationService:
         if first[0] == "error":
             await _cancel(tasks)
             raise first[1]
-        return self._sse(plan, runs, tasks, queue, first, chunk, include_usage, None,
+        return self._sse(plan, runs, tasks, queue, first, chunk, include_usage, turn, None,
                          lambda run: {"index": run.index, "text": "", "logprobs": None,
                                       "finish_reason": run.result.finish_reason if run.result else None,
                                       "response_id": run.id},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -67,10 +68,13 @@ class FlakyTransport(httpx.AsyncBaseTransport):
         self.inner = httpx.ASGITransport(app=app)
         self.down = False
         self.generate_calls = 0
+        self.gate: asyncio.Event | None = None  # set: /generate answers only once it is set (a slow reply)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/generate":
             self.generate_calls += 1
+            if self.gate is not None:
+                await self.gate.wait()
         if self.down:
             raise httpx.ConnectError("connection refused", request=request)
         return await self.inner.handle_async_request(request)
@@ -491,3 +495,60 @@ async def test_shutdown_right_after_a_trainer_update_completes(make_gw: Any) -> 
         await asyncio.gather(exiting, return_exceptions=True)
     assert done, "the gateway's shutdown hung after POST /admin/trainer"
     assert loop_task.done()
+
+
+async def _status(gw: Gw, session_id: str) -> str:
+    return (await gw.store.get_session(session_id=session_id)).status
+
+
+async def test_turn_in_flight_keeps_its_session_from_idle_finish(make_gw: Any) -> None:
+    """A rewarded session idle far beyond the timeout is not finished while one of its turns is generating
+    (a slow engine reply), neither by the running loop nor by an explicit tick; the turn then records fine
+    and only then the session finishes."""
+    async with make_gw(["slow answer"], idle_timeout_s=0.05, tick_s=0.05) as gw:
+        sess = await gw.session(group_id="g-slow")
+        await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
+        gw.engine.gate = asyncio.Event()
+        turn = asyncio.ensure_future(gw.sdk(key=sess["api_key"]).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8))
+        while gw.engine.generate_calls == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # several loop ticks with the session idle past the timeout
+        await gw.app.state.trajectories.tick(now=time.time() + 3600)
+        assert await _status(gw, sess["session_id"]) == "active"
+        gw.engine.gate.set()
+        reply = await turn
+        assert reply.choices[0].message.content == "slow answer"
+        assert [i.id for i in await interactions(gw, sess["session_id"])] == [reply.id]
+        await gw.app.state.trajectories.tick(now=time.time() + 3600)
+        assert await _status(gw, sess["session_id"]) != "active"  # finished (and maybe already exported)
+
+
+async def test_streamed_turn_held_by_a_pause_keeps_its_session_in_flight(make_gw: Any) -> None:
+    async with make_gw(["held answer"], idle_timeout_s=0.05, tick_s=0.05) as gw:
+        sess = await gw.session(group_id="g-held")
+        await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
+        assert (await gw.post("/admin/pause", {}, key=ADMIN)).json()["paused"] is True
+
+        async def consume() -> str:
+            stream = await gw.sdk(key=sess["api_key"]).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        turn = asyncio.ensure_future(consume())
+        try:
+            async with asyncio.timeout(10):
+                while not await gw.app.state.inflight.busy([sess["session_id"]]):
+                    assert not turn.done(), turn.result()
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            await gw.app.state.trajectories.tick(now=time.time() + 3600)
+            assert await _status(gw, sess["session_id"]) == "active"
+        finally:
+            assert (await gw.post("/admin/resume", {"weight_version": 1}, key=ADMIN)).status_code == 200
+        assert await turn == "held answer"
+        recorded = await interactions(gw, sess["session_id"])
+        assert len(recorded) == 1 and set(recorded[0].output_versions) == {1}
+        assert not await gw.app.state.inflight.busy([sess["session_id"]])
+        await gw.app.state.trajectories.tick(now=time.time() + 3600)
+        assert await _status(gw, sess["session_id"]) != "active"
