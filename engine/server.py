@@ -2,13 +2,15 @@
 
 Error shapes follow SGLang: a body that fails schema validation gets 400
 ``{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}``; a request the engine
-refuses gets 400 ``{"error": {"message": ...}}``; weight updates answer ``{"success": false, "message"}``.
+refuses gets 400 ``{"error": {"message": ...}}``, or, when it asked for a stream, status 200 with the event
+``data: {"error": {"message": ...}}`` then ``data: [DONE]``; weight updates answer ``{"success": false, "message"}``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -91,6 +93,15 @@ def _bad_request(message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=400)
 
 
+def _error_event(message: str) -> bytes:
+    return b"data: " + json.dumps({"error": {"message": message}}).encode() + b"\n\n"
+
+
+async def _error_events(message: str) -> AsyncIterator[bytes]:
+    yield _error_event(message)
+    yield b"data: [DONE]\n\n"
+
+
 def _weight_result(ok: bool, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"success": ok, "message": message, **extra}, status_code=200 if ok else 400)
 
@@ -133,15 +144,24 @@ def create_app(engine: Engine) -> FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(body: GenerateIn, request: Request) -> Response:
         body.log_unknown("/generate")
-        inp = engine.parse_generate(body)
-        if inp.stream:
+        if body.stream:
+            # SGLang checks a request past its schema only once the stream has begun: such an error is
+            # an event (status 200), then [DONE]. Only schema errors answer 400 before streaming.
+            try:
+                inp = engine.parse_generate(body)
+            except InvalidRequest as exc:
+                return StreamingResponse(_error_events(str(exc)), media_type="text/event-stream")
 
             async def events():
-                async for out in engine.generate(inp):
-                    yield b"data: " + json.dumps(out).encode() + b"\n\n"
+                try:
+                    async for out in engine.generate(inp):
+                        yield b"data: " + json.dumps(out).encode() + b"\n\n"
+                except InvalidRequest as exc:
+                    yield _error_event(str(exc))
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
+        inp = engine.parse_generate(body)
         result = None
         async for out in engine.generate(inp, is_disconnected=request.is_disconnected):
             result = out

@@ -3,8 +3,9 @@
 The wire shapes are those of ``docs/sglang-protocol.md`` (``POST /generate`` token in / token out with
 logprobs; pause/continue; weight updates; health). Every client takes an injected ``httpx.AsyncClient`` so
 that tests put a ``MockTransport`` at the protocol boundary. httpx errors are translated here, where they
-enter the gateway: connection problems become :class:`EngineUnavailable`, a 400 from the engine becomes
-:class:`InvalidRequest` with the engine's message, anything else :class:`EngineError`.
+enter the gateway: connection problems become :class:`EngineUnavailable`, a 400 from the engine (or an
+error event in its stream, SGLang's way of refusing a streamed request) becomes :class:`InvalidRequest`
+with the engine's message, anything else :class:`EngineError`.
 
 The router keeps several engines in rotation: least in-flight requests first, with session affinity (a
 session sticks to the engine that served it, so that its prefix cache stays warm), periodic health
@@ -27,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
+from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, GatewayError, InvalidRequest
 
 log = logging.getLogger("agentrl.gateway.engine")
 
@@ -145,17 +146,29 @@ class EngineClient:
     def _translate(self, exc: httpx.HTTPError) -> EngineUnavailable:
         return EngineUnavailable(f"engine {self.base_url} unreachable: {type(exc).__name__}: {exc}")
 
-    def _check(self, resp: httpx.Response) -> None:
-        if resp.status_code < 400:
-            return
-        message = _error_message(resp)
-        if resp.status_code == 400:
+    def _error(self, status: int, message: str) -> GatewayError:
+        """The gateway error for an engine error of this HTTP status (or error event carrying it)."""
+        if status == 400:
             if "context" in message.lower() or "too long" in message.lower():
-                raise ContextLengthExceeded(f"the engine rejected the prompt: {message}", param="messages")
-            raise InvalidRequest(f"the engine rejected the request: {message}")
-        if resp.status_code == 503:
-            raise EngineUnavailable(f"engine {self.base_url} unavailable: {message}")
-        raise EngineError(f"engine {self.base_url} answered {resp.status_code}: {message}")
+                return ContextLengthExceeded(f"the engine rejected the prompt: {message}", param="messages")
+            return InvalidRequest(f"the engine rejected the request: {message}")
+        if status == 503:
+            return EngineUnavailable(f"engine {self.base_url} unavailable: {message}")
+        return EngineError(f"engine {self.base_url} answered {status}: {message}")
+
+    def _check(self, resp: httpx.Response) -> None:
+        if resp.status_code >= 400:
+            raise self._error(resp.status_code, _error_message(resp))
+
+    def _stream_error(self, err: object) -> GatewayError:
+        """An error event in a stream (SGLang: a request it refuses once the stream has begun, e.g. a
+        prompt longer than the context). It carries no status, or (newer releases) ``code``; without one
+        it is the refusal a non-streamed request gets as a 400."""
+        if not isinstance(err, dict):
+            return self._error(400, str(err))
+        code = err.get("code")
+        status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 400
+        return self._error(status, str(err.get("message", err)))
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> httpx.Response:
         try:
@@ -211,6 +224,8 @@ class EngineClient:
                         chunk = json.loads(data)
                     except ValueError as exc:
                         raise EngineError(f"engine {self.base_url} sent a malformed stream chunk") from exc
+                    if isinstance(chunk, dict) and "error" in chunk:
+                        raise self._stream_error(chunk["error"])
                     yield parse_output(chunk)
         except httpx.HTTPError as exc:
             raise self._translate(exc) from exc

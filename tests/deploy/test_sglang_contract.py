@@ -135,7 +135,8 @@ async def test_client_raises_the_error_event_of_a_stream(client):
     fx = fixture("generate_stream_error")
     with respx.mock:
         respx.post(f"{BASE}/generate").mock(return_value=response_of(fx))
-        with pytest.raises(gateway_errors.GatewayError, match="longer than the model's context length"):
+        # bad input, as the same request unstreamed (a 400), not an engine failure (502)
+        with pytest.raises(gateway_errors.ContextLengthExceeded, match="longer than the model's context length"):
             async for _ in client.generate_stream(fx["request"]["input_ids"],
                                                   engine_client.SamplingParams(max_new_tokens=16), 16):
                 pass
@@ -520,8 +521,6 @@ def test_engine_errors_match_sglang(engine_url):
     assert_same_shape(shape(resp.json()), shape(fixture("generate_error_context")["body"]))
 
 
-@pytest.mark.xfail(strict=False, reason="known difference (reported; remove this mark once fixed): the embedded engine answers a stream whose "
-                   "prompt is too long with a 400 JSON body; SGLang answers 200 with an error event, then [DONE]")
 def test_engine_stream_error_is_an_event_like_sglang(engine_url):
     info = httpx.get(engine_url + "/get_server_info", timeout=10).json()
     too_long = list(range(1, int(info["context_length"]) + 10))
@@ -529,4 +528,5 @@ def test_engine_stream_error_is_an_event_like_sglang(engine_url):
                                             "stream": True})
     assert stream.status_code == 200, f"{stream.status_code} {stream.text[:200]}"
     events = sse_events(stream.text)
+    assert len(events) == 1  # the error, then [DONE]
     assert_same_shape(shape(events[0]), shape(sse_events(fixture("generate_stream_error")["body_text"])[0]))

@@ -263,6 +263,27 @@ def test_bad_input_is_a_400_with_a_message(engine_url, body, fragment):
     assert fragment in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"input_ids": [5] * 2048, "sampling_params": {"max_new_tokens": 1}}, "longer than the model's context"),
+        ({"input_ids": [1, 49152], "sampling_params": {}}, "outside the vocabulary"),
+        ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+    ],
+)
+def test_bad_streamed_input_is_an_error_event_then_done_like_sglang(engine_url, body, fragment):
+    response = httpx.post(engine_url + "/generate", json={**body, "stream": True}, timeout=30)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
+    assert len(events) == 2 and events[1] == "[DONE]"
+    assert fragment in json.loads(events[0])["error"]["message"]
+
+
+def test_streamed_schema_error_is_still_a_400(engine_url):
+    response = httpx.post(engine_url + "/generate", json={"input_ids": ["a"], "stream": True}, timeout=30)
+    assert response.status_code == 400 and response.json()["object"] == "error"
+
+
 def test_schema_errors_use_sglangs_error_shape_and_the_server_keeps_serving(engine_url):
     response = httpx.post(engine_url + "/generate", json={"input_ids": ["a", "b"]}, timeout=30)
     assert response.status_code == 400

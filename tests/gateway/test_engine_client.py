@@ -178,3 +178,39 @@ async def test_pause_holds_and_resume_continues_with_new_version() -> None:
         seen[i] == seen[i + 1][: len(seen[i])] for i in range(len(seen) - 1))
     for c in clients:
         await c.aclose()
+
+
+async def test_stream_error_event_is_a_400_like_the_same_error_unstreamed() -> None:
+    """SGLang refuses a streamed request it cannot serve with status 200, an error event, then [DONE]
+    (tests/fixtures/sglang/generate_stream_error.json holds its bytes): that is bad input (400), not a
+    broken engine (502)."""
+    from tests.conftest import REPO
+
+    recorded = json.loads((REPO / "tests/fixtures/sglang/generate_stream_error.json").read_text())
+    answers = {
+        "context": recorded["body_text"],
+        "other": 'data: {"error": {"message": "top_p must be in (0, 1]"}}\n\ndata: [DONE]\n\n',
+        "down": 'data: {"error": {"message": "overloaded", "code": 503}}\n\ndata: [DONE]\n\n',
+    }
+    current = {"answer": ""}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=current["answer"], headers={"content-type": "text/event-stream"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        client = EngineClient("http://e", http)
+        params = SamplingParams(max_new_tokens=4)
+
+        async def first_error(kind: str) -> Exception:
+            current["answer"] = answers[kind]
+            with pytest.raises(Exception) as err:
+                async for _ in client.generate_stream([1, 2], params, 4):
+                    pass
+            return err.value
+
+        context = await first_error("context")
+        assert isinstance(context, InvalidRequest) and context.status == 400
+        assert context.code == "context_length_exceeded" and "context length" in context.message
+        other = await first_error("other")
+        assert type(other) is InvalidRequest and other.code == "invalid_value" and "top_p" in other.message
+        assert isinstance(await first_error("down"), EngineUnavailable)
