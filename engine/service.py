@@ -161,7 +161,10 @@ class Engine:
         try:
             while not finished:
                 try:
-                    snap = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+                    # lands as the item arrives, and the stream would keep its batch slot
+                    async with asyncio.timeout(1.0):
+                        snap = await queue.get()
                 except TimeoutError:
                     if is_disconnected is not None and await is_disconnected():
                         return

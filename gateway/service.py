@@ -381,12 +381,7 @@ class GenerationService:
             return {"index": run.index, "delta": out, "logprobs": logprobs, "finish_reason": None,
                     "response_id": run.id}
 
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue, delta_choice)) for run in runs]
-        first = await queue.get()
-        if first[0] == "error":
-            await _cancel(tasks)
-            raise first[1]
+        queue, tasks, first = await self._start_streams(plan, params, runs, delta_choice)
         return self._sse(plan, runs, tasks, queue, first, chunk, include_usage, turn,
                          lambda run: {"index": run.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None, "response_id": run.id},
@@ -421,6 +416,18 @@ class GenerationService:
             await queue.put(("end", render(run, delta, gen)))
         except GatewayError as exc:
             await queue.put(("error", exc))
+
+    async def _start_streams(self, plan: TurnPlan, params: SamplingParams, runs: list[ChoiceRun], delta_choice: Any
+                             ) -> tuple[asyncio.Queue[tuple[str, Any]], list[asyncio.Future[None]], tuple[str, Any]]:
+        """Start one generation task per choice and wait for the first event, so that an error before any
+        output becomes an HTTP error instead of the start of an SSE response."""
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue, delta_choice)) for run in runs]
+        first = await queue.get()
+        if first[0] == "error":
+            await _cancel(tasks)
+            raise first[1]
+        return queue, tasks, first
 
     async def _sse(self, plan: TurnPlan, runs: list[ChoiceRun], tasks: list[asyncio.Future[None]],
                    queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any],
@@ -558,12 +565,7 @@ class GenerationService:
             return {"index": run.index, "text": delta.content, "logprobs": None, "finish_reason": None,
                     "response_id": run.id}
 
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue, delta_choice)) for run in runs]
-        first = await queue.get()
-        if first[0] == "error":
-            await _cancel(tasks)
-            raise first[1]
+        queue, tasks, first = await self._start_streams(plan, params, runs, delta_choice)
         return self._sse(plan, runs, tasks, queue, first, chunk, include_usage, turn, None,
                          lambda run: {"index": run.index, "text": "", "logprobs": None,
                                       "finish_reason": run.result.finish_reason if run.result else None,
