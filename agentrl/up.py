@@ -42,7 +42,7 @@ class UpSettings:
     steps: int = field(default=4, metadata={"help": "trainer steps (quick: 2)"})
     group_size: int = field(default=4, metadata={"help": "sessions per prompt (a GRPO group)"})
     batch_groups: int = field(default=4, metadata={"help": "groups per trainer step (quick: 2)"})
-    eval_limit: int = field(default=24, metadata={"help": "held-out prompts evaluated before and after training (quick: 8)"})
+    eval_limit: int = field(default=20, metadata={"help": "held-out prompts evaluated before and after training (quick: 8)"})
     max_turns: int = field(default=2, metadata={"help": "model calls per episode (self-correction turns)"})
     max_tokens: int = field(default=96, metadata={"help": "max new tokens per model call"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of training rollouts"})
