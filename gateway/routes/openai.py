@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -24,30 +26,29 @@ def _json(body: object) -> Response:
                     media_type="application/json")
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
+async def _generate(request: Request, model: type[Any], plain: Callable[..., Awaitable[Any]],
+                    stream: Callable[..., Awaitable[Any]]) -> Response:
+    """Parse, bind the caller's session, and run the service's plain or streaming method."""
     svc = services(request)
     who = await caller(request)
-    req = await read_json(request, ChatCompletionRequest)
+    req = await read_json(request, model)
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
     service = GenerationService(svc)
     if req.stream:
-        return StreamingResponse(await service.chat_stream(req, session), media_type="text/event-stream",
+        return StreamingResponse(await stream(service, req, session), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    return _json(await service.chat(req, session))
+    return _json(await plain(service, req, session))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, ChatCompletionRequest, GenerationService.chat, GenerationService.chat_stream)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    svc = services(request)
-    who = await caller(request)
-    req = await read_json(request, CompletionRequest)
-    session = await session_for(who, request.path_params.get("session_id"), svc.store)
-    service = GenerationService(svc)
-    if req.stream:
-        return StreamingResponse(await service.completion_stream(req, session), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    return _json(await service.completion(req, session))
+    return await _generate(request, CompletionRequest, GenerationService.completion,
+                           GenerationService.completion_stream)
 
 
 @router.get("/v1/models")
