@@ -24,7 +24,7 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -380,9 +380,7 @@ class Store:
                 raise Conflict(f"session {session_id} is {current.status}, expected one of {sorted(expected)}")
             if current.status == status or (only_from_active and current.status != "active"):
                 return current
-            values: dict[str, Any] = {"status": status, "version": current.version + 1}
-            if status == "finished" and current.finished_at is None:
-                values["finished_at"] = time.time()
+            values = _status_change(row, status)
             await conn.execute(sa.update(s).where(s.c.id == session_id).values(**values))
         updated = session_from_row({**row, **values})
         if self._redis is not None:
@@ -413,9 +411,7 @@ class Store:
             updated: list[tuple[Any, SessionRecord]] = []
             for i in ids:
                 row = rows[i]
-                values: dict[str, Any] = {"status": status, "version": row["version"] + 1}
-                if status == "finished" and row["finished_at"] is None:
-                    values["finished_at"] = time.time()
+                values = _status_change(row, status)
                 await conn.execute(sa.update(s).where(s.c.id == i).values(**values))
                 updated.append((row["key_hash"], session_from_row({**row, **values})))
         if self._redis is not None:
@@ -732,3 +728,11 @@ def _sqlite_begin_immediate(conn: Any) -> None:
 async def _dispose(*engines: AsyncEngine) -> None:
     for engine in {id(e): e for e in engines}.values():
         await engine.dispose()
+
+
+def _status_change(row: Mapping[str, Any], status: str) -> dict[str, Any]:
+    """Column values for moving a session row to ``status``: bump its version; stamp finished_at once."""
+    values: dict[str, Any] = {"status": status, "version": row["version"] + 1}
+    if status == "finished" and row["finished_at"] is None:
+        values["finished_at"] = time.time()
+    return values
