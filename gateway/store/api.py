@@ -730,7 +730,7 @@ async def _dispose(*engines: AsyncEngine) -> None:
         await engine.dispose()
 
 
-def _status_change(row: Mapping[str, Any], status: str) -> dict[str, Any]:
+def _status_change(row: Mapping[Any, Any], status: str) -> dict[str, Any]:
     """Column values for moving a session row to ``status``: bump its version; stamp finished_at once."""
     values: dict[str, Any] = {"status": status, "version": row["version"] + 1}
     if status == "finished" and row["finished_at"] is None:
