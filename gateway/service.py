@@ -29,7 +29,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +61,9 @@ def _dumps(value: Any) -> bytes:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
+    """A fresh response id: ``chatcmpl-<hex>``; a prefix ending in ``_`` is used as is (``resp_<hex>``)."""
+    sep = "" if prefix.endswith("_") else "-"
+    return f"{prefix}{sep}{secrets.token_hex(12)}"
 
 
 @dataclass
@@ -79,6 +81,20 @@ class TurnPlan:
     group_id: str | None = None  # implicit episodes: hash of the root prompt
     implicit: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TurnEvent:
+    """One step of a streamed turn, before any wire format renders it.
+
+    ``delta``: a choice released text / tool calls (``delta``, with ``gen`` the cumulative engine output);
+    ``end``: a choice finished (its last delta; ``run.result`` is set); ``recorded``: every choice is
+    committed to the store (the stream may now send its final events)."""
+
+    kind: str  # "delta" | "end" | "recorded"
+    run: ChoiceRun | None = None
+    delta: StreamDelta | None = None
+    gen: Generation | None = None
 
 
 @dataclass
@@ -310,15 +326,45 @@ class GenerationService:
         return {"content": logprobs_json(self.svc.tokenizer, res.output_ids[:n], res.logprobs[:n],
                                          res.top_logprobs, req.top_logprobs or 0)}
 
-    async def chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> dict[str, Any]:
+    async def run_turn(self, req: ChatCompletionRequest, session: SessionRecord | None, *,
+                       id_prefix: str = "chatcmpl", meta: dict[str, Any] | None = None
+                       ) -> tuple[TurnPlan, list[ChoiceRun]]:
+        """The conversation core, whatever wire format the request came in: plan, generate every choice,
+        record; returns the plan and the finished choices for the format to render. ``meta`` is recorded
+        with the request (``format`` and what the format kept out of the prompt)."""
         async with AsyncExitStack() as turn:
             await self._track(turn, session)
             plan = await self.plan_chat(req, session)
+            plan.request.update(meta or {})
             await self._track_planned(turn, session, plan)
             params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
-            runs = self._choices(req, "chatcmpl", req.wants_tools)
+            runs = self._choices(req, id_prefix, req.wants_tools)
             await self._generate_all(plan, params, runs)
             await self._record(plan, runs, self._chat_chain(plan))
+        return plan, runs
+
+    async def stream_turn(self, req: ChatCompletionRequest, session: SessionRecord | None, *,
+                          id_prefix: str = "chatcmpl", meta: dict[str, Any] | None = None
+                          ) -> tuple[TurnPlan, list[ChoiceRun], AsyncIterator[TurnEvent]]:
+        """The streaming conversation core: plan and start generating (errors before the first engine
+        output raise, a normal HTTP error); returns the turn's events (:meth:`_events`) for the format to
+        render. The turn is in flight until that iterator ends or is closed."""
+        turn = AsyncExitStack()
+        try:
+            await self._track(turn, session)
+            plan = await self.plan_chat(req, session)
+            plan.request.update(meta or {})
+            await self._track_planned(turn, session, plan)
+            params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
+            runs = self._choices(req, id_prefix, req.wants_tools)
+            events = await self._start_streams(plan, params, runs, turn, self._chat_chain(plan))
+        except BaseException:
+            await turn.aclose()
+            raise
+        return plan, runs, events
+
+    async def chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> dict[str, Any]:
+        plan, runs = await self.run_turn(req, session)
         choices = []
         for run in runs:
             res = run.result
@@ -334,25 +380,9 @@ class GenerationService:
         }
 
     async def chat_stream(self, req: ChatCompletionRequest, session: SessionRecord | None) -> AsyncIterator[bytes]:
-        """Plan and start generating; errors up to the first engine output raise (a normal HTTP error).
-
-        Returns an iterator of SSE lines; the final chunk of every choice (``finish_reason``) is sent
-        only after all choices are recorded. The turn is in flight until that iterator ends.
-        """
-        turn = AsyncExitStack()
-        try:
-            await self._track(turn, session)
-            plan = await self.plan_chat(req, session)
-            await self._track_planned(turn, session, plan)
-            return await self._start_chat_stream(req, plan, turn)
-        except BaseException:
-            await turn.aclose()
-            raise
-
-    async def _start_chat_stream(self, req: ChatCompletionRequest, plan: TurnPlan,
-                                 turn: AsyncExitStack) -> AsyncIterator[bytes]:
-        params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
-        runs = self._choices(req, "chatcmpl", req.wants_tools)
+        """Chat completion chunks; the final chunk of every choice (``finish_reason``) is sent only after
+        all choices are recorded."""
+        plan, runs, events = await self.stream_turn(req, session)
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -381,18 +411,16 @@ class GenerationService:
             return {"index": run.index, "delta": out, "logprobs": logprobs, "finish_reason": None,
                     "response_id": run.id}
 
-        queue, tasks, first = await self._start_streams(plan, params, runs, delta_choice)
-        return self._sse(plan, runs, tasks, queue, first, chunk, include_usage, turn,
+        return self._sse(plan, runs, events, chunk, include_usage,
                          lambda run: {"index": run.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None, "response_id": run.id},
+                         delta_choice,
                          lambda run: {"index": run.index, "delta": {}, "logprobs": None,
                                       "finish_reason": run.result.finish_reason if run.result else None,
-                                      "response_id": run.id},
-                         self._chat_chain(plan))
+                                      "response_id": run.id})
 
     async def _stream_choice(self, plan: TurnPlan, params: SamplingParams, run: ChoiceRun,
-                             queue: asyncio.Queue[tuple[str, Any]],
-                             render: Callable[[ChoiceRun, StreamDelta, Generation], dict[str, Any] | None]) -> None:
+                             queue: asyncio.Queue[tuple[str, Any]]) -> None:
         started = time.perf_counter()
         try:
             gen: Generation | None = None
@@ -402,43 +430,40 @@ class GenerationService:
                 async for gen in stream:
                     if gen.finish is not None:
                         break
-                    piece = render(run, run.decoder.step(gen), gen)
-                    if piece is not None:
-                        await queue.put(("delta", piece))
+                    delta = run.decoder.step(gen)
+                    if delta:
+                        await queue.put(("delta", TurnEvent("delta", run, delta, gen)))
                     if run.decoder.stopped:
                         break
             finally:
-                await stream.aclose()
+                await _aclose(stream)
             if gen is None:
                 raise InvalidRequest("the engine produced no output")
             run.engine_s = time.perf_counter() - started
-            delta, run.result = run.decoder.end(gen)
-            await queue.put(("end", render(run, delta, gen)))
+            last, run.result = run.decoder.end(gen)
+            await queue.put(("end", TurnEvent("end", run, last, gen)))
         except GatewayError as exc:
             await queue.put(("error", exc))
 
-    async def _start_streams(self, plan: TurnPlan, params: SamplingParams, runs: list[ChoiceRun], delta_choice: Any
-                             ) -> tuple[asyncio.Queue[tuple[str, Any]], list[asyncio.Future[None]], tuple[str, Any]]:
+    async def _start_streams(self, plan: TurnPlan, params: SamplingParams, runs: list[ChoiceRun],
+                             turn: AsyncExitStack, chain: Callable[[ChoiceRun], str]) -> AsyncIterator[TurnEvent]:
         """Start one generation task per choice and wait for the first event, so that an error before any
-        output becomes an HTTP error instead of the start of an SSE response."""
+        output becomes an HTTP error instead of the start of a stream. Returns the turn's events."""
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue, delta_choice)) for run in runs]
+        tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue)) for run in runs]
         first = await queue.get()
         if first[0] == "error":
             await _cancel(tasks)
             raise first[1]
-        return queue, tasks, first
+        return self._events(plan, runs, tasks, queue, first, turn, chain)
 
-    async def _sse(self, plan: TurnPlan, runs: list[ChoiceRun], tasks: list[asyncio.Future[None]],
-                   queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any],
-                   chunk: Callable[..., bytes], include_usage: bool, turn: AsyncExitStack,
-                   opening: Callable[[ChoiceRun], dict[str, Any]] | None,
-                   closing: Callable[[ChoiceRun], dict[str, Any]],
-                   chain: Callable[[ChoiceRun], str]) -> AsyncIterator[bytes]:
+    async def _events(self, plan: TurnPlan, runs: list[ChoiceRun], tasks: Sequence[asyncio.Future[None]],
+                      queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any], turn: AsyncExitStack,
+                      chain: Callable[[ChoiceRun], str]) -> AsyncIterator[TurnEvent]:
+        """The turn's events in order: deltas and ends of all choices, then ``recorded`` once every choice
+        is committed. A :class:`GatewayError` (engine, store) is raised from the iterator; the turn leaves
+        the in-flight set and its generation tasks are cancelled when the iterator ends or is closed."""
         try:
-            if opening is not None:
-                for run in runs:
-                    yield chunk([opening(run)])
             pending = len(runs)
             item: tuple[str, Any] | None = first
             while pending:
@@ -448,9 +473,30 @@ class GenerationService:
                     raise payload
                 if kind == "end":
                     pending -= 1
+                yield payload
+            await self._record(plan, runs, chain)
+            yield TurnEvent("recorded")
+        finally:
+            await _cancel(tasks)
+            await turn.aclose()
+
+    async def _sse(self, plan: TurnPlan, runs: list[ChoiceRun], events: AsyncIterator[TurnEvent],
+                   chunk: Callable[..., bytes], include_usage: bool,
+                   opening: Callable[[ChoiceRun], dict[str, Any]] | None,
+                   render: Callable[[ChoiceRun, StreamDelta, Generation], dict[str, Any] | None],
+                   closing: Callable[[ChoiceRun], dict[str, Any]]) -> AsyncIterator[bytes]:
+        """Chat / text completion chunks of a turn's events (the final chunks only once recorded)."""
+        try:
+            if opening is not None:
+                for run in runs:
+                    yield chunk([opening(run)])
+            async for event in events:
+                if event.kind == "recorded":
+                    break
+                assert event.run is not None and event.delta is not None and event.gen is not None
+                payload = render(event.run, event.delta, event.gen)
                 if payload is not None:
                     yield chunk([payload])
-            await self._record(plan, runs, chain)
             for run in runs:
                 yield chunk([closing(run)])
             if include_usage:
@@ -464,8 +510,7 @@ class GenerationService:
             yield b"data: " + _dumps(body) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:
-            await _cancel(tasks)
-            await turn.aclose()
+            await _aclose(events)
 
     # ------------------------------------------------------------------------------------ completions
     async def plan_completion(self, req: CompletionRequest, session: SessionRecord | None) -> TurnPlan:
@@ -565,12 +610,11 @@ class GenerationService:
             return {"index": run.index, "text": delta.content, "logprobs": None, "finish_reason": None,
                     "response_id": run.id}
 
-        queue, tasks, first = await self._start_streams(plan, params, runs, delta_choice)
-        return self._sse(plan, runs, tasks, queue, first, chunk, include_usage, turn, None,
+        events = await self._start_streams(plan, params, runs, turn, self._completion_chain(plan))
+        return self._sse(plan, runs, events, chunk, include_usage, None, delta_choice,
                          lambda run: {"index": run.index, "text": "", "logprobs": None,
                                       "finish_reason": run.result.finish_reason if run.result else None,
-                                      "response_id": run.id},
-                         self._completion_chain(plan))
+                                      "response_id": run.id})
 
 
 def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
@@ -580,7 +624,13 @@ def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
                           params.stop_token_ids, params.top_logprobs)
 
 
-async def _cancel(tasks: list[asyncio.Future[None]]) -> None:
+async def _aclose(events: AsyncIterator[Any]) -> None:
+    aclose = getattr(events, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _cancel(tasks: Sequence[asyncio.Future[None]]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
