@@ -28,6 +28,11 @@ class EngineSettings:
                           "other (measured 18.7 s vs 1.0 s per batch-8 step of smollm2 at load 10 on 2 cores); "
                           "raise it on a dedicated machine"},
     )
+    health_timeout_s: float = field(
+        default=20.0,
+        metadata={"help": "how long /health waits for its one-token generation before answering 503; like "
+                          "SGLang (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) it waits behind a pause"},
+    )
     log_level: str = field(default="warning", metadata={"help": "uvicorn/engine log level (debug, info, warning)"})
 
     def validate(self) -> None:
@@ -42,6 +47,8 @@ class EngineSettings:
                 raise SettingsError("--device cuda but no CUDA device is visible: use --device cpu")
         if self.max_running_requests < 1:
             raise SettingsError("max_running_requests must be at least 1 (e.g. --max-running-requests 64)")
+        if self.health_timeout_s <= 0:
+            raise SettingsError("health_timeout_s must be positive (e.g. --health-timeout-s 20)")
         if self.threads < 1:
             raise SettingsError("threads must be at least 1 (e.g. --threads 1)")
         if self.context_length is not None and self.context_length < 2:

@@ -118,6 +118,7 @@ class Scheduler:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.error: BaseException | None = None
+        self.last_output = 0.0  # time.monotonic() of the last sampled token (what /health waits for)
 
     # ----- called from other threads -----
 
@@ -317,6 +318,7 @@ class Scheduler:
     def _sample_and_advance(self, reqs: list[Request], batch: batching.Batch, logits: torch.Tensor) -> set[int]:
         """Sample a token for every row, record it, and return the rows that finished."""
         tokens, logprobs, dist = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        self.last_output = time.monotonic()
         batch.pending = tokens.to(self.device)
         finished = set()
         for row, req in enumerate(reqs):

@@ -172,7 +172,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/health")
     @app.get("/health_generate")
     async def health() -> Response:
-        return Response(status_code=200 if engine.scheduler.alive else 503)
+        return Response(status_code=200 if await engine.health() else 503)
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict[str, Any]:

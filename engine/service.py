@@ -68,7 +68,8 @@ class Engine:
         self.settings = settings
         torch.set_num_threads(settings.threads)
         path = resolve_model(settings.model)
-        self.model_path = str(path)
+        self.model_path = str(path)  # like SGLang, the directory weights were last loaded from
+        self.tokenizer_path = str(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         device = torch.device(settings.device)
         # sdpa masks left padding correctly here; tests check logprob parity with a plain forward pass.
@@ -219,6 +220,31 @@ class Engine:
 
     # ----- control -----
 
+    async def health(self) -> bool:
+        """SGLang's ``/health``: submit a one-token generation and answer healthy as soon as the scheduler
+        produces any token after the probe began (so a busy engine answers at once). Like any request it
+        waits behind a pause, so a paused engine is unhealthy after ``health_timeout_s`` (SGLang:
+        ``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, polled every second; polled every 0.1 s here)."""
+        if not self.scheduler.alive:
+            return False
+        started = time.monotonic()
+        probe = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                        params=SamplingParams.parse({"max_new_tokens": 1, "temperature": 0.0},
+                                                    vocab_size=self.vocab_size),
+                        on_update=lambda snap: None)
+        self.scheduler.submit(probe)
+        try:
+            while time.monotonic() < started + self.settings.health_timeout_s:
+                await asyncio.sleep(0.1)
+                if self.scheduler.last_output > started:
+                    return True
+                if not self.scheduler.alive:
+                    return False
+            return False
+        finally:
+            if probe.finish_reason is None:
+                self.scheduler.control("abort", request=probe, message="health check over")
+
     async def pause(self, mode: str) -> None:
         await asyncio.wrap_future(self.scheduler.control("pause", mode=mode))
 
@@ -237,6 +263,7 @@ class Engine:
             tensors = await asyncio.to_thread(load_from_disk, self.model, model_path)
             new = await asyncio.wrap_future(self.scheduler.swap_weights(tensors, version=version, abort_running=abort_all))
             log.warning("weights from %s -> version %s in %.2fs", model_path, new, time.perf_counter() - started)
+            self.model_path = model_path
             return new
 
     async def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -290,7 +317,8 @@ class Engine:
     def model_info(self) -> dict[str, Any]:
         return {
             "model_path": self.model_path,
-            "tokenizer_path": self.model_path,
+            "served_model_name": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
@@ -300,7 +328,7 @@ class Engine:
         state = {**self.scheduler.stats.as_dict(), **self.scheduler.counts(), "paused": self.scheduler.paused}
         return {
             "model_path": self.model_path,
-            "tokenizer_path": self.model_path,
+            "tokenizer_path": self.tokenizer_path,
             "device": self.settings.device,
             "context_length": self.context_length,
             "max_running_requests": self.settings.max_running_requests,

@@ -100,6 +100,13 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def model_name(info: dict[str, Any]) -> str:
+    """The model's name from the engine's ``/get_model_info``. SGLang reports the directory weights were
+    last loaded from as ``model_path`` (and ``served_model_name``), so after a disk push a restarted gateway
+    would name the model after the push directory; ``tokenizer_path`` keeps naming the model."""
+    return Path(str(info.get("tokenizer_path") or info.get("model_path") or "model")).name
+
+
 async def _discover(router: EngineRouter, settings: GatewaySettings) -> tuple[dict[str, Any], int]:
     engine = router.healthy_engine()
     info = await engine.model_info()
@@ -156,7 +163,7 @@ def create_app(
 
                 opened = await StoreImpl.open(settings.db, redis_url=settings.redis,
                                               redis_prefix=settings.redis_prefix)
-            name = settings.model_name or Path(str(info.get("model_path") or "model")).name
+            name = settings.model_name or model_name(info)
             if not hasattr(app.state, "admission"):
                 app.state.admission = admission or AlwaysAdmit()
             app.state.started_at = time.time()

@@ -72,6 +72,8 @@ class EngineOutput:
     matched: int | str | None
     weight_version: int | None
     prompt_tokens: int
+    abort_status: int | None = None  # SGLang's refusal inside a stream: finish_reason.status_code
+    abort_message: str | None = None
 
 
 @dataclass(slots=True)
@@ -105,20 +107,32 @@ def parse_output(body: dict[str, Any]) -> EngineOutput:
     entries = meta.get("output_token_logprobs") or []
     logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
     if len(logprobs) != len(ids):
-        raise EngineError(
-            f"engine returned {len(ids)} output ids but {len(logprobs)} logprobs; is return_logprob honoured?")
+        # SGLang 0.5.19 ends a stream whose request was retracted and then aborted with output_ids=[last
+        # token] but the cumulative logprobs; each logprob entry names its token, so the ids are recovered
+        # from the entries when the ids sent are their tail.
+        entry_ids = [int(e[1]) for e in entries if len(e) > 1 and e[1] is not None]
+        if len(entry_ids) == len(entries) and len(ids) < len(entry_ids) and entry_ids[len(entry_ids) - len(ids):] == ids:
+            ids = entry_ids
+        else:
+            raise EngineError(
+                f"engine returned {len(ids)} output ids but {len(logprobs)} logprobs; is return_logprob honoured?")
     top = meta.get("output_top_logprobs")
     top_parsed = None
     if top is not None:
         top_parsed = [[(int(t[1]), float(t[0])) for t in (row or [])] for row in top]
     reason = meta.get("finish_reason")
-    finish, matched = None, None
+    finish, matched, status, message = None, None, None, None
     if isinstance(reason, dict):
         finish, matched = reason.get("type"), reason.get("matched")
+        if finish == "abort":  # FINISH_ABORT: a refusal carries status_code (400, 500, 503), a pause none
+            code = reason.get("status_code")
+            status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else None
+            message = str(reason.get("message") or "aborted")
     elif isinstance(reason, str):
         finish = reason
     return EngineOutput(ids, logprobs, top_parsed, finish, matched,
-                        _parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0))
+                        _parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0),
+                        status, message)
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -146,7 +160,7 @@ class EngineClient:
     def _translate(self, exc: httpx.HTTPError) -> EngineUnavailable:
         return EngineUnavailable(f"engine {self.base_url} unreachable: {type(exc).__name__}: {exc}")
 
-    def _error(self, status: int, message: str) -> GatewayError:
+    def error(self, status: int, message: str) -> GatewayError:
         """The gateway error for an engine error of this HTTP status (or error event carrying it)."""
         if status == 400:
             if "context" in message.lower() or "too long" in message.lower():
@@ -158,17 +172,17 @@ class EngineClient:
 
     def _check(self, resp: httpx.Response) -> None:
         if resp.status_code >= 400:
-            raise self._error(resp.status_code, _error_message(resp))
+            raise self.error(resp.status_code, _error_message(resp))
 
     def _stream_error(self, err: object) -> GatewayError:
         """An error event in a stream (SGLang: a request it refuses once the stream has begun, e.g. a
         prompt longer than the context). It carries no status, or (newer releases) ``code``; without one
         it is the refusal a non-streamed request gets as a 400."""
         if not isinstance(err, dict):
-            return self._error(400, str(err))
+            return self.error(400, str(err))
         code = err.get("code")
         status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 400
-        return self._error(status, str(err.get("message", err)))
+        return self.error(status, str(err.get("message", err)))
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> httpx.Response:
         try:
@@ -230,9 +244,12 @@ class EngineClient:
         except httpx.HTTPError as exc:
             raise self._translate(exc) from exc
 
-    async def health(self) -> bool:
+    async def health(self, *, paused: bool = False) -> bool:
+        """Whether the engine serves. SGLang's ``/health`` runs a one-token generation, which waits behind
+        a pause (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, then 503); an engine the caller paused is probed
+        for liveness with ``/get_model_info`` instead, which SGLang answers without its scheduler."""
         try:
-            resp = await self.http.get(self.base_url + "/health", timeout=5.0)
+            resp = await self.http.get(self.base_url + ("/get_model_info" if paused else "/health"), timeout=5.0)
         except httpx.HTTPError:
             return False
         return resp.status_code == 200
@@ -244,7 +261,8 @@ class EngineClient:
         return (await self._get("/get_server_info")).json()
 
     async def weight_version(self) -> int | None:
-        return _parse_version((await self._get("/get_weight_version")).json().get("weight_version"))
+        # /get_model_info carries it in SGLang 0.5.19 and 0.5.23; /get_weight_version is 404 in 0.5.19
+        return _parse_version((await self.model_info()).get("weight_version"))
 
     async def pause(self, mode: str = "abort") -> None:
         await self._post("/pause_generation", {"mode": mode}, timeout=60.0)
@@ -289,6 +307,7 @@ class EngineRouter:
         self._running = asyncio.Event()
         self._running.set()
         self._pause_epoch = 0
+        self._owes_continue: set[int] = set()  # engines paused by this router and not yet continued
         self.weight_version = 0
         self.held = 0  # generations waiting for resume
         self.version_mismatches = 0  # segments whose engine reported a different weight version
@@ -313,7 +332,13 @@ class EngineRouter:
             await self.check_health()
 
     async def check_health(self) -> None:
-        results = await asyncio.gather(*(e.client.health() for e in self.engines))
+        """Probe every engine. An engine this router paused is probed for liveness only (SGLang's
+        ``/health`` cannot answer behind a pause); one that still owes a ``continue_generation`` (resume
+        could not reach it) gets it again first, once the router is no longer paused."""
+        if not self.paused and self._owes_continue:
+            await self._continue(sorted(self._owes_continue))
+        results = await asyncio.gather(*(
+            e.client.health(paused=self.paused and i in self._owes_continue) for i, e in enumerate(self.engines)))
         for state, ok in zip(self.engines, results):
             if ok != state.healthy:
                 log.warning("engine %s is now %s", state.client.base_url, "healthy" if ok else "unhealthy")
@@ -374,16 +399,48 @@ class EngineRouter:
         return not self._running.is_set()
 
     async def pause(self, mode: str = "abort") -> None:
-        """Stop generation on every engine; in-flight generations are aborted and held until resume."""
+        """Stop generation on every engine; in-flight generations are aborted and held until resume.
+
+        Every engine sent a pause owes a ``continue_generation``, whatever its health afterwards: SGLang
+        stays paused until told otherwise. An engine that cannot be reached leaves the rotation; any other
+        refusal (a bad ``mode``) is raised once every engine has been tried."""
         self._pause_epoch += 1
         self._running.clear()
-        await asyncio.gather(*(e.client.pause(mode) for e in self.engines if e.healthy))
+        targets = [i for i, e in enumerate(self.engines) if e.healthy]
+        self._owes_continue.update(targets)
+        results = await asyncio.gather(*(self.engines[i].client.pause(mode) for i in targets),
+                                       return_exceptions=True)
+        refused: BaseException | None = None
+        for i, result in zip(targets, results):
+            if isinstance(result, EngineUnavailable):
+                self._mark_failed(self.engines[i], result)
+            elif isinstance(result, BaseException) and refused is None:
+                refused = result
+        if refused is not None:
+            raise refused
 
     async def resume(self, weight_version: int) -> None:
-        """Set the weight version, let engines generate again, and re-send every held generation."""
+        """Set the weight version, let engines generate again, and re-send every held generation.
+
+        ``continue_generation`` goes to every engine this router paused, healthy or not (a paused SGLang
+        fails its health probe, so health cannot decide who to resume), and to every healthy one. An engine
+        that cannot be reached keeps owing it; the health loop sends it again until it lands."""
         self.weight_version = weight_version
-        await asyncio.gather(*(e.client.continue_generation() for e in self.engines if e.healthy))
+        targets = sorted(self._owes_continue | {i for i, e in enumerate(self.engines) if e.healthy})
+        self._owes_continue.update(targets)
+        await self._continue(targets)
         self._running.set()
+
+    async def _continue(self, targets: list[int]) -> None:
+        results = await asyncio.gather(*(self.engines[i].client.continue_generation() for i in targets),
+                                       return_exceptions=True)
+        for i, result in zip(targets, results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result  # cancellation and friends
+                self._mark_failed(self.engines[i], result)
+            else:
+                self._owes_continue.discard(i)
 
     # ---- generation ----
     async def generate(
@@ -441,6 +498,8 @@ class EngineRouter:
             if last is None:
                 raise EngineError(f"engine {state.client.base_url} closed the stream without output")
             if last.finish == "abort":
+                if last.abort_status is not None:  # a refusal (SGLang streams it as an abort chunk)
+                    raise state.client.error(last.abort_status, last.abort_message or "aborted")
                 if self.paused or self._pause_epoch != epoch:
                     continue  # held: resent after resume
                 raise EngineError(f"engine {state.client.base_url} aborted the generation")

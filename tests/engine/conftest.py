@@ -54,7 +54,7 @@ def engine_process(*extra: str, startup_timeout: float = 120.0) -> Iterator[str]
 def engine_url() -> Iterator[str]:
     """One tiny engine for all engine tests (start-up dominates their cost on a shared 2-core machine).
     Tests that change its weights restore the original ones before they end."""
-    with engine_process() as url:
+    with engine_process("--health-timeout-s", "2") as url:  # /health behind a pause answers 503 in 2 s
         yield url
 
 

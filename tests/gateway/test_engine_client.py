@@ -214,3 +214,121 @@ async def test_stream_error_event_is_a_400_like_the_same_error_unstreamed() -> N
         other = await first_error("other")
         assert type(other) is InvalidRequest and other.code == "invalid_value" and "top_p" in other.message
         assert isinstance(await first_error("down"), EngineUnavailable)
+
+
+class SGLangPauseEngine(FakeEngine):
+    """/health as SGLang answers it: a one-token generation that waits behind a pause, so while paused
+    the probe times out (the gateway's 5 s client timeout fires before SGLang's own 20 s); its
+    /get_model_info answers at once, paused or not."""
+
+    def __init__(self, name: str, reply: list[int]) -> None:
+        super().__init__(name, reply)
+        self.continued = 0
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/health" and self.paused.is_set():
+            raise httpx.ReadTimeout("health generation waits behind the pause", request=request)
+        if path == "/get_model_info" and self.healthy:
+            return httpx.Response(200, json={"model_path": "/m", "weight_version": "0"})
+        if path == "/continue_generation" and self.healthy:
+            self.continued += 1
+        return await super().handler(request)
+
+
+async def test_resume_reaches_an_engine_whose_health_probe_failed_while_paused() -> None:
+    """A disk push that pauses longer than one health interval must not leave SGLang paused for good."""
+    engine = SGLangPauseEngine("a", [5, EOT])
+    router, clients = make_router(engine)
+    await router.pause()
+    await router.check_health()  # the health loop runs during the push
+    assert router.engines[0].healthy  # alive: a paused engine is probed with /get_model_info
+    engine.healthy = False  # even an engine that really looks unhealthy now is sent continue_generation
+    await router.check_health()
+    assert not router.engines[0].healthy
+    engine.healthy = True
+    await router.resume(1)
+    assert engine.continued == 1 and not engine.paused.is_set()
+    await router.check_health()
+    assert router.engines[0].healthy
+    gen = await collect(router, [1], SamplingParams(max_new_tokens=5), affinity_key=None, stream=False)
+    assert gen.output_ids == [5, EOT] and gen.versions == [1, 1]
+    for c in clients:
+        await c.aclose()
+
+
+async def test_continue_that_fails_is_sent_again_by_the_health_loop() -> None:
+    engine = SGLangPauseEngine("a", [5, EOT])
+    router, clients = make_router(engine)
+    await router.pause()
+    engine.healthy = False  # unreachable when resume comes
+    await router.resume(2)
+    assert engine.paused.is_set() and not router.engines[0].healthy and not router.paused
+    engine.healthy = True
+    await router.check_health()  # retries continue_generation, then probes /health
+    assert engine.continued == 1 and not engine.paused.is_set() and router.engines[0].healthy
+    for c in clients:
+        await c.aclose()
+
+
+async def test_stream_abort_chunk_with_status_code_is_the_refusal_it_carries() -> None:
+    """SGLang (tokenizer_manager._handle_abort_finish_reason) streams a refusal as an ordinary chunk whose
+    finish_reason is {"type": "abort", "status_code": 400 | 500 | 503, "message", "err_type"}."""
+    def chunk(status: int, message: str) -> str:
+        out = body([], {"type": "abort", "message": message, "status_code": status, "err_type": None})
+        return f"data: {json.dumps(out)}\n\ndata: [DONE]\n\n"
+
+    current = {"answer": ""}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=current["answer"], headers={"content-type": "text/event-stream"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        router = EngineRouter([EngineClient("http://e", http)])
+
+        async def refusal(status: int, message: str) -> Exception:
+            current["answer"] = chunk(status, message)
+            with pytest.raises(Exception) as err:
+                await collect(router, [1, 2], SamplingParams(max_new_tokens=4), affinity_key=None, stream=True)
+            return err.value
+
+        bad = await refusal(400, "The input (9000 tokens) is longer than the model's context length")
+        assert type(bad).__name__ == "ContextLengthExceeded" and bad.status == 400
+        other = await refusal(400, "json schema is invalid")
+        assert type(other) is InvalidRequest
+        assert isinstance(await refusal(503, "server is shutting down"), EngineUnavailable)
+        assert type(await refusal(500, "internal")) is EngineError
+        assert router.engines[0].healthy  # a refusal says nothing about the engine's health
+
+
+def test_retracted_then_aborted_chunk_recovers_ids_from_logprob_entries() -> None:
+    """SGLang 0.5.19 ends a stream whose request was retracted, then aborted, with output_ids=[last] but
+    the cumulative output_token_logprobs; the entries name their tokens."""
+    chunk = body([7], {"type": "abort", "message": "paused"})
+    chunk["meta_info"]["output_token_logprobs"] = [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None]]
+    out = parse_output(chunk)
+    assert out.output_ids == [5, 6, 7] and out.logprobs == [-0.1, -0.2, -0.3] and out.finish == "abort"
+    chunk["output_ids"] = [9]  # not their tail: still an error
+    with pytest.raises(EngineError, match="logprobs"):
+        parse_output(chunk)
+
+
+async def test_weight_version_is_read_from_get_model_info() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/get_model_info":
+            return httpx.Response(200, json={"model_path": "/m", "weight_version": "7"})
+        return httpx.Response(404, json={"detail": "Not Found"})  # /get_weight_version in SGLang 0.5.19
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        assert await EngineClient("http://e", http).weight_version() == 7
+
+
+def test_model_name_survives_a_disk_push() -> None:
+    """After /update_weights_from_disk SGLang reports the push directory as model_path and served_model_name
+    (TokenizerManager._update_model_path_info, 0.5.19); a gateway restarted then still names the model."""
+    from gateway.app import model_name
+
+    after_push = {"model_path": "/sync/push-000003", "served_model_name": "/sync/push-000003",
+                  "tokenizer_path": "/models/smollm2", "weight_version": "3"}
+    assert model_name(after_push) == "smollm2"
+    assert model_name({"model_path": "/models/Qwen2.5-1.5B"}) == "Qwen2.5-1.5B"
