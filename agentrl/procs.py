@@ -3,19 +3,46 @@
 Every child runs in its own process session so that stopping it also stops whatever it started (torchrun's
 workers, uvicorn's). `Processes` is a context manager: leaving it — normally, on an error, or on Ctrl-C —
 terminates every child (SIGTERM, then SIGKILL after a grace period).
+
+A supervisor killed hard (SIGKILL from a CI timeout or the OOM killer) runs no ``__exit__``, so on Linux
+every child also gets a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGTERM)``, set between fork and
+exec): the kernel sends it SIGTERM when the supervisor dies, whatever ended it, and the child stops its
+own children as on a normal stop. The signal fires when the *thread* that started the child ends, so it
+is set only for children started from the main thread (elsewhere, and on other systems, children are
+stopped only by ``stop_all``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` giving the child SIGTERM when ``parent_pid`` dies (Linux, main thread only)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl: nobody would send the signal
+            os._exit(1)
+
+    return preexec
 
 
 class ChildFailed(RuntimeError):
@@ -47,6 +74,7 @@ class Processes:
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
+            preexec_fn=_die_with(os.getpid()),
         )
         log.close()
         child = Child(name, proc, log_path)

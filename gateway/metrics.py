@@ -7,6 +7,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+MAX_UNKNOWN_FIELD_LABELS = 64  # distinct unknown field names kept as label values; the rest count as "_other"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -41,7 +42,21 @@ class Metrics:
         self.weight_version = Gauge("agentrl_gateway_weight_version", "current policy weight version",
                                     registry=r)
         self.unknown_fields = Counter("agentrl_gateway_unknown_fields",
-                                      "unknown request fields accepted and ignored", ["field"], registry=r)
+                                      "unknown request fields accepted and ignored (the first "
+                                      f"{MAX_UNKNOWN_FIELD_LABELS} names seen; later ones as _other)",
+                                      ["field"], registry=r)
+        self._unknown_names: set[str] = set()
+
+    def count_unknown_field(self, name: str) -> None:
+        """Count an unknown request field. Its name comes from the client, so the label set is bounded:
+        a client sending random field names must not grow the registry (and /metrics) without end."""
+        label = name[:64]
+        if label not in self._unknown_names:
+            if len(self._unknown_names) >= MAX_UNKNOWN_FIELD_LABELS:
+                label = "_other"
+            else:
+                self._unknown_names.add(label)
+        self.unknown_fields.labels(label).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

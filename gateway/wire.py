@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 log = logging.getLogger("agentrl.gateway.wire")
+INT32_MAX = 2**31 - 1  # bound of counters and versions stored in SQL INTEGER columns
+SEED_MAX = 2**63 - 1
 _LOGGED_UNKNOWN: set[str] = set()
 
 
@@ -26,7 +28,7 @@ class WireModel(BaseModel):
         extra = self.model_extra or {}
         for name in extra:
             key = f"{type(self).__name__}.{name}"
-            if key not in _LOGGED_UNKNOWN:
+            if key not in _LOGGED_UNKNOWN and len(_LOGGED_UNKNOWN) < 1024:  # names come from clients: bounded
                 _LOGGED_UNKNOWN.add(key)
                 log.info("accepted and ignored unknown field %r in %s", name, type(self).__name__)
         return self
@@ -44,13 +46,13 @@ class SamplingFields(WireModel):
     """Sampling fields shared by chat and text completions."""
 
     model: str | None = None
-    n: StrictInt = Field(default=1, ge=1)
+    n: StrictInt = Field(default=1, ge=1, le=INT32_MAX)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-SEED_MAX, le=SEED_MAX)
     stop: str | list[str] | None = None
 
     @field_validator("stop")
@@ -75,7 +77,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -137,7 +139,7 @@ class RewardRequest(WireModel):
 
 
 class ResumeRequest(WireModel):
-    weight_version: StrictInt = Field(ge=0)
+    weight_version: StrictInt = Field(ge=0, le=INT32_MAX)
 
 
 class PauseRequest(WireModel):
@@ -145,6 +147,6 @@ class PauseRequest(WireModel):
 
 
 class TrainerStatus(WireModel):
-    version: StrictInt = Field(ge=0)
-    batch_size: StrictInt = Field(ge=1)
-    staleness_bound: StrictInt = Field(ge=0)
+    version: StrictInt = Field(ge=0, le=INT32_MAX)
+    batch_size: StrictInt = Field(ge=1, le=INT32_MAX)
+    staleness_bound: StrictInt = Field(ge=0, le=INT32_MAX)

@@ -53,7 +53,7 @@ def _validate_content(content: object, role: str, param: str) -> None:
         if not isinstance(part, Mapping):
             raise ChatFormatError("a content part must be an object", part_param, "invalid_type")
         kind = part.get("type")
-        if kind not in allowed:
+        if not isinstance(kind, str) or kind not in allowed:
             raise ChatFormatError(
                 f"content part type {kind!r} is not supported for a {role} message "
                 f"(supported: {', '.join(sorted(allowed))}); this gateway serves text-only models",
@@ -155,11 +155,11 @@ def validate_tool_choice(tool_choice: object, tools: object) -> None:
         raise ChatFormatError("tool_choice object must be {'type': 'function', 'function': {'name': ...}}", "tool_choice")
     fn = tool_choice.get("function")
     name = fn.get("name") if isinstance(fn, Mapping) else None
-    names = {
+    names = [
         t["function"].get("name")
         for t in (tools if isinstance(tools, list) else [])
         if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping)
-    }
+    ]  # a list, not a set: names may be any JSON value (unhashable) until validate_tools has run
     if name not in names:
         raise ChatFormatError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice.function.name")
 
@@ -182,7 +182,7 @@ def validate_messages(messages: object, tools: object = None) -> None:
         if not isinstance(msg, Mapping):
             raise ChatFormatError("a message must be an object", mp, "invalid_type")
         role = msg.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise ChatFormatError(
                 f"unknown role {role!r}; valid roles: {', '.join(sorted(ROLES))}", f"{mp}.role"
             )

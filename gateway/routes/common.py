@@ -56,7 +56,7 @@ async def read_json(request: Request, model: type[M], *, allow_empty: bool = Fal
     if extra:
         metrics = services(request).metrics
         for name in extra:
-            metrics.unknown_fields.labels(name[:64]).inc()
+            metrics.count_unknown_field(name)
     return parsed
 
 
