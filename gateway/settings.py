@@ -34,6 +34,9 @@ class GatewaySettings:
     max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "largest request body accepted; larger ones get 413"})
     max_n: int = field(default=16, metadata={"help": "largest n (choices per request) accepted"})
+    unsupported_tools: str = field(default="drop", metadata={
+        "help": "Responses tools the gateway cannot serve (web_search, custom, tool_search, ...): drop (from "
+                "the prompt, with a warning) or reject (400)"})
     default_max_tokens: int = field(default=0, metadata={
         "help": "max_tokens when a request gives none; 0 = the rest of the context (OpenAI behaviour)"})
     context_length: int = field(default=0, metadata={
@@ -84,6 +87,8 @@ class GatewaySettings:
             raise SettingsError("--max-body-bytes must be at least 1024")
         if self.max_n < 1:
             raise SettingsError("--max-n must be at least 1")
+        if self.unsupported_tools not in ("drop", "reject"):
+            raise SettingsError(f"--unsupported-tools {self.unsupported_tools!r}: use drop or reject")
         if self.default_max_tokens < 0 or self.context_length < 0:
             raise SettingsError("--default-max-tokens and --context-length must be >= 0 (0 = automatic)")
         if not self.db.startswith(("sqlite", "postgresql")):

@@ -13,6 +13,7 @@ from fastapi import APIRouter
 
 ROUTER_MODULES: list[str] = [
     "gateway.routes.openai",
+    "gateway.routes.responses",
     "gateway.routes.sessions",
     "gateway.routes.rewards",
     "gateway.routes.admin",
@@ -21,7 +22,7 @@ ROUTER_MODULES: list[str] = [
 ]
 
 SESSION_PREFIX = "/sessions/{session_id}"  # the same OpenAI routes, bound to one session by URL
-SESSION_MOUNTED = ("gateway.routes.openai",)
+SESSION_MOUNTED = ("gateway.routes.openai", "gateway.routes.responses")
 
 
 def routers() -> list[tuple[APIRouter, str]]:
