@@ -70,13 +70,22 @@ def _post(client: httpx.Client, url: str, body: dict[str, Any], *, timeout: floa
 
 
 class Control(Protocol):
+    #: whether weight updates may ask the engine to flush its prefix cache (SGLang flushes only an idle
+    #: scheduler: 0.5.19 asserts and dies otherwise, 0.5.23 answers 400)
+    flush_with_update: bool
+
     def engines(self) -> list[str]: ...
     def pause(self) -> None: ...
     def resume(self, version: int) -> None: ...
 
 
 class GatewayControl:
-    """Pause/resume through the gateway's admin API, which holds and re-sends aborted requests."""
+    """Pause/resume through the gateway's admin API, which holds and re-sends aborted requests.
+
+    The gateway pauses in ``abort`` mode: the engines' schedulers are empty during the update, so the
+    update itself may flush the prefix cache."""
+
+    flush_with_update = True
 
     def __init__(self, gateway: str, admin_key: str, *, client: httpx.Client | None = None,
                  engine_urls: Iterable[str] = ()) -> None:
@@ -122,7 +131,18 @@ def parse_engines(body: Any) -> list[str]:
 
 
 class DirectControl:
-    """No gateway: pause and continue the engines themselves (in-flight requests stay put, ``in_place``)."""
+    """No gateway: pause and continue the engines themselves, keeping in-flight requests.
+
+    SGLang can flush its prefix cache (stale after new weights) only when its scheduler is idle: 0.5.19
+    requires no running and no queued request (and an update with ``flush_cache`` that finds requests
+    asserts and kills the server); 0.5.23 ignores the queue while paused and answers 400 otherwise. So the
+    engines pause in ``retract`` mode (running requests go back to the queue, their KV cache freed and
+    recomputed after continue), the updates do not flush, and ``resume`` flushes while still paused with
+    ``POST /flush_cache``: it succeeds on 0.5.23, and on 0.5.19 whenever nothing was in flight; a refused
+    flush is logged (the prefix cache then still holds KV computed under the old weights) and generation
+    continues."""
+
+    flush_with_update = False
 
     def __init__(self, engine_urls: Iterable[str], *, client: httpx.Client | None = None) -> None:
         self._urls = [u.rstrip("/") for u in engine_urls]
@@ -133,10 +153,17 @@ class DirectControl:
 
     def pause(self) -> None:
         for url in self._urls:
-            _post(self.client, f"{url}/pause_generation", {"mode": "in_place"})
+            _post(self.client, f"{url}/pause_generation", {"mode": "retract"})
 
     def resume(self, version: int) -> None:
         for url in self._urls:
+            try:
+                resp = self.client.post(f"{url}/flush_cache", timeout=60.0)
+            except httpx.HTTPError as exc:
+                raise WeightSyncError(f"POST {url}/flush_cache failed: {exc!r}") from exc
+            if resp.status_code != 200:
+                log.warning("%s kept its prefix cache (flush refused: %s); requests that reuse a cached prefix "
+                            "see KV computed under the previous weights", url, resp.text.strip()[:200])
             _post(self.client, f"{url}/continue_generation", {})
 
 
@@ -187,13 +214,15 @@ class DiskSync:
             pass
         return None
 
-    def send(self, engines: list[str], version: int, staged: Path | None, updated: list[str]) -> None:
+    def send(self, engines: list[str], version: int, staged: Path | None, updated: list[str], *,
+             flush_cache: bool = True) -> None:
         """Rank 0 only. Appends each engine that took the update to ``updated``."""
         for url in engines:
             if url in updated:
                 continue
             _post(self.client, f"{url}/update_weights_from_disk",
-                  {"model_path": str(staged), "weight_version": str(version)}, timeout=600.0)
+                  {"model_path": str(staged), "weight_version": str(version), "flush_cache": flush_cache},
+                  timeout=600.0)
             updated.append(url)
 
     def committed(self, staged: Path | None) -> None:
@@ -205,11 +234,12 @@ class DiskSync:
             if old != staged and old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
 
-    def rollback(self, engines: list[str], old_version: int) -> None:
+    def rollback(self, engines: list[str], old_version: int, *, flush_cache: bool = True) -> None:
         for url in engines:
             try:
                 _post(self.client, f"{url}/update_weights_from_disk",
-                      {"model_path": str(self.served_path), "weight_version": str(old_version)}, timeout=600.0)
+                      {"model_path": str(self.served_path), "weight_version": str(old_version),
+                       "flush_cache": flush_cache}, timeout=600.0)
             except WeightSyncError as exc:
                 log.error("rollback of %s to version %d failed: %s", url, old_version, exc)
 
@@ -268,7 +298,8 @@ class BroadcastSync:
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> None:
         return None
 
-    def send_all(self, model: torch.nn.Module, engines: list[str], version: int, info: DistInfo) -> str | None:
+    def send_all(self, model: torch.nn.Module, engines: list[str], version: int, info: DistInfo, *,
+                 flush_cache: bool = True) -> str | None:
         """Collective over the trainer ranks: gather buckets; rank 0 broadcasts them. Rank 0's error or None."""
         from agentrl.weight_group import broadcast_tensors
 
@@ -290,17 +321,17 @@ class BroadcastSync:
             bucket.append((name, tensor.to(device)))
             size += tensor.numel() * tensor.element_size()
             if size >= self.bucket_bytes:
-                error = error or self._send_bucket(bucket, engines, version, broadcast_tensors)
+                error = error or self._send_bucket(bucket, engines, version, broadcast_tensors, flush_cache)
                 bucket, size = [], 0
         if info.is_main and bucket:
-            error = error or self._send_bucket(bucket, engines, version, broadcast_tensors)
+            error = error or self._send_bucket(bucket, engines, version, broadcast_tensors, flush_cache)
         return error
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], engines: list[str], version: int,
-                     broadcast_tensors: Callable) -> str | None:
+                     broadcast_tensors: Callable, flush_cache: bool = True) -> str | None:
         body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                "weight_version": str(version), "flush_cache": True}
+                "weight_version": str(version), "flush_cache": flush_cache}
         errors: list[str] = []
 
         def call(url: str) -> None:
@@ -380,15 +411,16 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
     attempts = 0
     updated: list[str] = []
     staged = None
+    flush = getattr(control, "flush_with_update", True)
     try:
         if isinstance(transport, DiskSync):
             staged = transport.stage(model, version, info)
         for attempts in range(1, retries + 1):
             if isinstance(transport, BroadcastSync):
-                error = transport.send_all(model, engines, version, info)
+                error = transport.send_all(model, engines, version, info, flush_cache=flush)
             elif info.is_main:
                 try:
-                    transport.send(engines, version, staged, updated)
+                    transport.send(engines, version, staged, updated, flush_cache=flush)
                     error = None
                 except WeightSyncError as exc:
                     error = str(exc)
@@ -401,7 +433,7 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
     finally:
         if info.is_main:
             if error is not None and isinstance(transport, DiskSync) and updated:
-                transport.rollback(updated, version - 1)
+                transport.rollback(updated, version - 1, flush_cache=flush)
             try:
                 control.resume(version if error is None else version - 1)
             except WeightSyncError as exc:

@@ -256,7 +256,8 @@ def test_trainer_disk_push_speaks_sglang(tmp_path):
         assert updated == [BASE]
         body = json.loads(route.calls.last.request.content)
         assert set(body) <= DISK_FIELDS
-        assert body == {"model_path": str(tmp_path / "v3"), "weight_version": "3"}  # the version as a string
+        assert body == {"model_path": str(tmp_path / "v3"), "weight_version": "3",  # the version as a string
+                        "flush_cache": True}
 
         route.mock(return_value=response_of(fixture("update_weights_from_disk_fail")))
         with pytest.raises(weight_sync.WeightSyncError, match="400.*Failed to get weights iterator"):
@@ -295,11 +296,12 @@ def test_trainer_direct_pause_and_continue_speak_sglang():
         pause = respx.post(f"{BASE}/pause_generation").mock(return_value=response_of(fixture("pause_generation")))
         cont = respx.post(f"{BASE}/continue_generation").mock(
             return_value=response_of(fixture("continue_generation")))
+        flush = respx.post(f"{BASE}/flush_cache").mock(return_value=response_of(fixture("flush_cache")))
         control = weight_sync.DirectControl([BASE], client=http)
         control.pause()
         control.resume(2)
-    assert json.loads(pause.calls.last.request.content)["mode"] in ("abort", "retract", "in_place")
-    assert json.loads(cont.calls.last.request.content) == {}
+    assert json.loads(pause.calls.last.request.content)["mode"] == "retract"
+    assert flush.called and json.loads(cont.calls.last.request.content) == {}
 
 
 # ------------------------------------------------------------------------------------------------------
