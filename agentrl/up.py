@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from agentrl import defaults
 from agentrl.settings import SettingsError, add_arguments, load
 
 
@@ -40,14 +41,14 @@ class UpSettings:
     dataset: str = field(default="synthetic:1", metadata={"help": "training/eval task: synthetic[:DIFFICULTY] or gsm8k:PATH"})
     agent: str = field(default="math", metadata={"help": "example agent: math (multi-turn with self-correction) or tools"})
     steps: int = field(default=4, metadata={"help": "trainer steps (quick: 2)"})
-    group_size: int = field(default=4, metadata={"help": "sessions per prompt (a GRPO group)"})
+    group_size: int = field(default=defaults.GROUP_SIZE, metadata={"help": "sessions per prompt (a GRPO group); the trainer tells the gateway"})
     batch_groups: int = field(default=4, metadata={"help": "groups per trainer step (quick: 2)"})
     eval_limit: int = field(default=20, metadata={"help": "held-out prompts evaluated before and after training (quick: 8)"})
     max_turns: int = field(default=2, metadata={"help": "model calls per episode (self-correction turns)"})
     max_tokens: int = field(default=96, metadata={"help": "max new tokens per model call"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of training rollouts"})
-    lr: float = field(default=1e-5, metadata={"help": "trainer learning rate"})
-    gamma: float = field(default=0.9, metadata={"help": "discount along each root-to-leaf path"})
+    lr: float = field(default=defaults.LR, metadata={"help": "trainer learning rate"})
+    gamma: float = field(default=defaults.GAMMA, metadata={"help": "discount along each root-to-leaf path (set on the gateway, which exports the returns)"})
     concurrency: int = field(default=16, metadata={"help": "agents running at once"})
     out_dir: str = field(default="", metadata={"help": "where logs, summary, plot and checkpoint go (default runs/<time>)"})
     db: str = field(default="", metadata={"help": "gateway database URL (default SQLite in out_dir)"})
@@ -131,8 +132,7 @@ def up(settings: UpSettings) -> dict[str, Any]:
             gateway_url = f"http://127.0.0.1:{gport}"
             db = settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}"
             gateway_args = ["gateway", "--engine-url", engine_url, "--db", db, "--port", str(gport),
-                            "--admin-key", admin_key, "--group-size", str(settings.group_size),
-                            "--gamma", str(settings.gamma)]
+                            "--admin-key", admin_key, "--gamma", str(settings.gamma)]
             if settings.redis:
                 gateway_args += ["--redis", settings.redis]
             say(f"starting gateway on :{gport} (db {db})")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from agentrl import defaults
 from agentrl.settings import SettingsError
 
 AGENTS = ("math", "tools")
@@ -30,7 +31,7 @@ class RunnerSettings:
     limit: int = field(default=16, metadata={"help": "number of prompts to run (each gives group_size sessions)"})
     offset: int = field(default=0, metadata={"help": "skip this many prompts of the dataset first"})
     seed: int = field(default=0, metadata={"help": "seed of the synthetic dataset"})
-    group_size: int = field(default=4, metadata={"help": "sessions per prompt, sharing one group id (GRPO group)"})
+    group_size: int = field(default=defaults.GROUP_SIZE, metadata={"help": "sessions per prompt, sharing one group id (GRPO group)"})
     concurrency: int = field(default=8, metadata={"help": "agents running at the same time"})
     eval: bool = field(default=False, metadata={"help": "mark sessions as evaluation (metadata eval=true): "
                                                         "recorded but never exported for training"})

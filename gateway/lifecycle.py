@@ -39,6 +39,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from agentrl import defaults
 from agentrl.settings import SettingsError
 from agentrl.trajectory import (
     EXPORT_MODES,
@@ -65,9 +66,9 @@ ENV_PREFIX = "AGENTRL_GATEWAY_"
 class ExportSettings:
     """Settings of export, leasing and staleness (read from the gateway's settings by field name)."""
 
-    group_size: int = field(default=4, metadata={"help": "sessions per GRPO group (metadata.group_size overrides)"})
+    group_size: int = field(default=defaults.GROUP_SIZE, metadata={"help": "sessions per GRPO group (metadata.group_size overrides)"})
     export_mode: str = field(default="concat", metadata={"help": "concat (row per leaf) or individual (row per turn)"})
-    gamma: float = field(default=1.0, metadata={"help": "discount along each root-to-leaf path"})
+    gamma: float = field(default=defaults.GAMMA, metadata={"help": "discount along each root-to-leaf path"})
     reward_mode: str = field(default="discounted", metadata={"help": "row reward: discounted (return of turn 0) or last"})
     idle_timeout_s: float = field(default=300.0, metadata={"help": "finish an idle session with a reward after this"})
     group_timeout_s: float = field(default=900.0, metadata={"help": "send an incomplete group after this"})

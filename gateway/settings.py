@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from agentrl import defaults
 from agentrl.settings import SettingsError
 
 
@@ -48,11 +49,11 @@ class GatewaySettings:
         "help": "how long start-up waits for at least one healthy engine"})
     log_level: str = field(default="info", metadata={"help": "log level (debug, info, warning)"})
     # Export, leasing and staleness control (gateway.lifecycle.ExportSettings reads these by name).
-    group_size: int = field(default=4, metadata={
-        "help": "sessions per GRPO group (a session's metadata.group_size overrides; no group_id = a group of one)"})
+    group_size: int = field(default=defaults.GROUP_SIZE, metadata={
+        "help": "sessions per GRPO group (a session's metadata.group_size overrides; no group_id = a group of one); a registered trainer's group size replaces it in the admission budget"})
     export_mode: str = field(default="concat", metadata={
         "help": "trajectory rows: concat (one per leaf, root-to-leaf path) or individual (one per turn)"})
-    gamma: float = field(default=1.0, metadata={"help": "reward discount along each root-to-leaf path"})
+    gamma: float = field(default=defaults.GAMMA, metadata={"help": "reward discount along each root-to-leaf path (the trainer uses the returns exported with it)"})
     reward_mode: str = field(default="discounted", metadata={
         "help": "a row's reward: discounted (return of its first turn) or last (its last turn's reward)"})
     idle_timeout_s: float = field(default=300.0, metadata={

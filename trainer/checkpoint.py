@@ -52,8 +52,10 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
 
 
 def save(checkpoint_dir: str | Path, state: TrainerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         info: DistInfo, *, source_dir: str | Path | None, keep: int = 3) -> Path:
-    """Collective: write a checkpoint of ``model``/``optimizer`` at ``state.step``; returns its directory."""
+         info: DistInfo, *, source_dir: str | Path | None, keep: int = 0) -> Path:
+    """Collective: write a checkpoint of ``model``/``optimizer`` at ``state.step``; returns its directory.
+
+    Older complete checkpoints beyond the newest ``keep`` are deleted (0 keeps every one)."""
     path = step_dir(checkpoint_dir, state.step)
     tensors = iter_full_tensors(model, to_cpu=True)
     if info.is_main:
@@ -87,6 +89,8 @@ def load_state(path: str | Path) -> TrainerState:
 
 
 def _prune(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
     done = sorted(p for p in root.glob("step_*") if (p / STATE_FILE).exists())
     for old in done[: max(0, len(done) - keep)]:
         shutil.rmtree(old, ignore_errors=True)

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from agentrl import defaults
 from agentrl.settings import SettingsError
 from trainer.core_algos import ADV_ESTIMATORS, LOSS_AGG_MODES
 
@@ -34,12 +35,12 @@ class TrainerSettings:
     engine_urls: list[str] = field(default_factory=list, metadata=_h("engine base URLs to push weights to; default: asked from the gateway (GET /admin/engines)"))
 
     # optimisation
-    lr: float = field(default=1e-6, metadata=_h("AdamW learning rate"))
+    lr: float = field(default=defaults.LR, metadata=_h("AdamW learning rate"))
     weight_decay: float = field(default=0.0, metadata=_h("AdamW weight decay"))
     max_grad_norm: float = field(default=1.0, metadata=_h("gradient clipping by global norm (0 = off)"))
-    steps: int = field(default=0, metadata=_h("stop after this many optimizer steps in total (0 = run until stopped)"))
-    group_size: int = field(default=4, metadata=_h("sessions per GRPO group the agents produce (>= 2: GRPO compares sessions within a group)"))
-    batch_groups: int = field(default=4, metadata=_h("batch size in groups: how many finished groups one step trains on"))
+    steps: int = field(default=0, metadata=_h("optimizer steps to run now, counted from where a resumed run starts (0 = run until stopped)"))
+    group_size: int = field(default=defaults.GROUP_SIZE, metadata=_h("sessions per GRPO group the agents produce (>= 2: GRPO compares sessions within a group); told to the gateway for its admission budget"))
+    batch_groups: int = field(default=defaults.BATCH_GROUPS, metadata=_h("batch size in groups: how many finished groups one step trains on"))
     mini_batches: int = field(default=1, metadata=_h("optimizer steps per leased batch (the batch is split by group)"))
     micro_batch_tokens: int = field(default=8192, metadata=_h("token budget of one forward/backward pass (rows x padded length); must hold the longest row"))
     max_seq_len: int = field(default=0, metadata=_h("longest row the agents can produce, if known (checked against micro_batch_tokens at start; 0 = check per batch only)"))
@@ -49,7 +50,7 @@ class TrainerSettings:
     clip_high: float = field(default=0.28, metadata=_h("PPO ratio clipped above at 1 + clip_high"))
     is_cap: float = field(default=5.0, metadata=_h("behaviour importance weight cap: tokens with exp(prox - behaviour) above it are masked (0 = no cap)"))
     gamma: float = field(default=-1.0, metadata=_h("discount along each root-to-leaf path to recompute a row's return from its raw turn rewards; -1 = use the reward the gateway exported"))
-    staleness_bound: int = field(default=1, metadata=_h("k: the gateway leases rows at most k versions older than the trainer, and admits sessions accordingly"))
+    staleness_bound: int = field(default=defaults.STALENESS_BOUND, metadata=_h("k: the gateway leases rows at most k versions older than the trainer, and admits sessions accordingly"))
 
     # weights out
     sync_mode: str = field(default="disk", metadata=_h("how weights reach the engines: disk (save + /update_weights_from_disk), broadcast (/update_weights_from_distributed over a process group), none", choices=SYNC_MODES))
@@ -62,6 +63,7 @@ class TrainerSettings:
     # state
     checkpoint_dir: str = field(default="runs/trainer", metadata=_h("checkpoints (HF format + optimizer/trainer state) and the metrics file go here"))
     save_every: int = field(default=0, metadata=_h("checkpoint every N steps (0 = only at the end)"))
+    keep_checkpoints: int = field(default=defaults.KEEP_CHECKPOINTS, metadata=_h("keep only the newest K checkpoints (0 = keep every one)"))
     resume: bool = field(default=True, metadata=_h("resume from the newest checkpoint in checkpoint_dir (continues the version count)"))
     lease_wait_s: float = field(default=30.0, metadata=_h("long-poll wait for a batch of finished groups"))
     max_idle_s: float = field(default=0.0, metadata=_h("stop when no data arrived for this long (0 = wait forever)"))
@@ -114,8 +116,8 @@ class TrainerSettings:
             raise SettingsError(f"sync_retries={self.sync_retries}: at least one attempt is needed (--sync-retries 1 or more)")
         if self.sync_bucket_mb <= 0:
             raise SettingsError(f"sync_bucket_mb={self.sync_bucket_mb}: use a positive bucket size, e.g. 256")
-        if self.save_every < 0 or self.steps < 0:
-            raise SettingsError("steps and save_every must be 0 or positive")
+        if self.save_every < 0 or self.steps < 0 or self.keep_checkpoints < 0:
+            raise SettingsError("steps, save_every and keep_checkpoints must be 0 or positive")
         if self.sync_mode != "none" and not (self.gateway or self.engine_urls):
             raise SettingsError(
                 f"sync_mode={self.sync_mode} needs somewhere to push weights: give --gateway URL (engines are asked "

@@ -134,6 +134,35 @@ def row_rewards(rows: Sequence[Row], gamma: float | None) -> np.ndarray:
     )
 
 
+def describe_batch(rows: Sequence[Row], gamma: float | None) -> dict[str, Any]:
+    """What a step trains on, for ``metrics.jsonl``: every group's id, task, sessions and reward spread.
+
+    A group whose rows all have the same reward gives every row a zero advantage: nothing to learn from
+    it. ``batch/zero_variance_groups`` counts those; when it equals ``batch/groups`` the step is skipped.
+    """
+    rewards = row_rewards(rows, gamma)
+    groups: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(row.group_id, []).append(i)
+    described = []
+    for group_id, index in groups.items():
+        values = rewards[index]
+        described.append({
+            "group_id": group_id, "task_id": rows[index[0]].task_id,
+            "sessions": len({rows[i].session_id for i in index}), "rows": len(index),
+            "reward_mean": round(float(values.mean()), 6), "reward_std": round(float(values.std()), 6),
+            "reward_min": float(values.min()), "reward_max": float(values.max()),
+        })
+    return {
+        "batch/groups": len(described),
+        "batch/sessions": len({r.session_id for r in rows}),
+        "batch/group_ids": [g["group_id"] for g in described],
+        "batch/task_ids": sorted({str(g["task_id"]) for g in described if g["task_id"] is not None}),
+        "batch/zero_variance_groups": sum(g["reward_max"] == g["reward_min"] for g in described),
+        "batch/reward_spread": described,
+    }
+
+
 def index_of(values: Sequence[str]) -> torch.Tensor:
     """Strings -> int64 ids (equal strings, equal ids), for the group/session indices of the math."""
     table: dict[str, int] = {}

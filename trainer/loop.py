@@ -1,5 +1,10 @@
 """The training loop: lease -> drop duplicates -> train step -> push weights -> ack -> log -> checkpoint.
 
+A batch in which every group has zero reward variance has nothing to learn (every advantage is 0): it is
+reported loudly, acknowledged and counted as a step, but not trained on, pushed or checkpointed; the
+gateway's weight version still advances (the weights are unchanged) so that admission keeps going.
+``--steps N`` runs N steps now, also when resuming from a checkpoint.
+
 Reads top to bottom in :func:`train`; the helpers below it hold the detail. Order matters for safety: a
 lease is acknowledged only after its rows were trained on **and** the new weights are being served, so a
 crash or a refused weight push leaves the batch to be re-delivered (the gateway re-queues unacknowledged
@@ -22,7 +27,7 @@ from agentrl.trajectory import decode_batch
 from trainer import checkpoint
 from agentrl.settings import SettingsError
 from trainer.config import TrainerSettings
-from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, drop_duplicates
+from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, describe_batch, drop_duplicates
 from trainer.model import DistInfo, init_distributed, load_model
 from trainer.step import train_step
 from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, broadcast_object,
@@ -62,8 +67,10 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
                      retries=settings.sync_retries)
     metrics_out = open_metrics(settings, info)
     idle_since = time.monotonic()
+    stop_at = state.step + settings.steps if settings.steps else None  # --steps counts from here
+    trained_since_save = False
 
-    while not settings.steps or state.step < settings.steps:
+    while stop_at is None or state.step < stop_at:
         lease = next_lease(leases, settings, info)
         if lease is None:
             if settings.max_idle_s and time.monotonic() - idle_since > settings.max_idle_s:
@@ -76,12 +83,20 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
             ack(leases, lease, info)
             continue
 
-        metrics = train_step(model, optimizer, rows, settings, info, version=state.version)
-        if transport is not None:
-            pushed = push_weights(model, state.version + 1, info=info, transport=transport, control=control,
-                                  retries=settings.sync_retries)
-            metrics.update({"sync/seconds": pushed.seconds, "sync/gb_per_s": pushed.gb_per_s,
-                            "sync/attempts": pushed.attempts})
+        batch = describe_batch(rows, settings.gamma_or_none)
+        skipped = batch["batch/zero_variance_groups"] == batch["batch/groups"]
+        if skipped:  # every advantage is 0: an optimizer step would only move weights by AdamW's momentum
+            metrics = {"skipped": "zero_variance"}
+            warn_zero_variance(batch, info)
+            if transport is not None:  # same weights, next version: tokens are tagged as fresh, not stale
+                advance_version(control, state.version + 1, info)
+        else:
+            metrics = train_step(model, optimizer, rows, settings, info, version=state.version)
+            if transport is not None:
+                pushed = push_weights(model, state.version + 1, info=info, transport=transport, control=control,
+                                      retries=settings.sync_retries)
+                metrics.update({"sync/seconds": pushed.seconds, "sync/gb_per_s": pushed.gb_per_s,
+                                "sync/attempts": pushed.attempts})
         state.version += 1
         state.step += 1
         for row in rows:
@@ -90,12 +105,16 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
         announce_trainer(control, settings, state.version, info)
 
         metrics.update({"step": state.step, "version": state.version, "batch/duplicates_dropped": dropped,
-                        "batch/groups": len({r.group_id for r in rows}), "time": time.time()})
+                        **batch, "gateway/gamma": (lease.meta.get("leases") or [{}])[0].get("gamma"),
+                        "time": time.time()})
         log_metrics(metrics, metrics_out, info)
-        if settings.save_every and state.step % settings.save_every == 0:
+        if not skipped:
+            trained_since_save = True
+        if settings.save_every and state.step % settings.save_every == 0 and trained_since_save:
             save(settings, state, seen, model, optimizer, info, model_dir)
+            trained_since_save = False
 
-    if state.step and (checkpoint.latest(settings.checkpoint_dir) != checkpoint.step_dir(settings.checkpoint_dir, state.step)):
+    if trained_since_save:  # the weights changed since the newest checkpoint
         save(settings, state, seen, model, optimizer, info, model_dir)
     if metrics_out is not None:
         metrics_out.close()
@@ -125,9 +144,25 @@ def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo, clien
 
 
 def announce_trainer(control: Any, settings: TrainerSettings, version: int, info: DistInfo) -> None:
-    """Tell the gateway the trainer's version, batch size and staleness bound (admission control)."""
+    """Tell the gateway the trainer's version, batch size, staleness bound and group size (admission)."""
     if info.is_main and isinstance(control, GatewayControl):
-        control.register_trainer(version, settings.batch_groups, settings.staleness_bound)
+        control.register_trainer(version, settings.batch_groups, settings.staleness_bound, settings.group_size)
+
+
+def advance_version(control: Any, version: int, info: DistInfo) -> None:
+    """A skipped step: the served weights are unchanged but now count as ``version`` (no pause, no push)."""
+    if info.is_main and control is not None:
+        control.resume(version)
+
+
+def warn_zero_variance(batch: dict[str, Any], info: DistInfo) -> None:
+    if info.is_main:
+        rewards = sorted({g["reward_min"] for g in batch["batch/reward_spread"]})
+        log.warning(
+            "NOTHING TO LEARN: all %d groups of this batch have zero reward variance (group rewards %s); "
+            "step skipped: no optimizer step, no weight push, no checkpoint. Make the task easier or "
+            "harder, raise the sampling temperature or the group size, or check the reward function.",
+            batch["batch/groups"], rewards[:8])
 
 
 def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: DistInfo) -> Lease | None:
@@ -178,7 +213,8 @@ def ack(leases: LeaseClient | None, lease: Lease, info: DistInfo) -> None:
 def save(settings: TrainerSettings, state: checkpoint.TrainerState, seen: SeenRows, model: torch.nn.Module,
          optimizer: torch.optim.Optimizer, info: DistInfo, model_dir: Path) -> Path:
     state.seen_rows = seen.state()
-    path = checkpoint.save(settings.checkpoint_dir, state, model, optimizer, info, source_dir=model_dir)
+    path = checkpoint.save(settings.checkpoint_dir, state, model, optimizer, info, source_dir=model_dir,
+                           keep=settings.keep_checkpoints)
     if info.is_main:
         print(f"[trainer] checkpoint step {state.step} version {state.version} -> {path}", file=sys.stderr, flush=True)
     return path
@@ -198,6 +234,11 @@ def log_metrics(metrics: dict[str, Any], out: TextIO | None, info: DistInfo) -> 
         return
     if out is not None:
         out.write(json.dumps(metrics) + "\n")
+    if metrics.get("skipped"):
+        print(f"[trainer] step {metrics['step']} v{metrics['version']} SKIPPED ({metrics['skipped']}): "
+              f"{metrics['batch/groups']} groups, {metrics['batch/sessions']} sessions, nothing to learn",
+              file=sys.stderr, flush=True)
+        return
     print(
         f"[trainer] step {metrics['step']} v{metrics['version']} reward {metrics['reward/mean']:.3f} "
         f"loss {metrics['actor/loss']:+.2e} clip {metrics['actor/clip_frac']:.3f} "

@@ -111,10 +111,12 @@ class GatewayControl:
     def resume(self, version: int) -> None:
         _post(self.client, f"{self.base}/admin/resume", {"weight_version": int(version)}, headers=self.headers)
 
-    def register_trainer(self, version: int, batch_size: int, staleness_bound: int) -> None:
-        _post(self.client, f"{self.base}/admin/trainer",
-              {"version": int(version), "batch_size": int(batch_size), "staleness_bound": int(staleness_bound)},
-              headers=self.headers)
+    def register_trainer(self, version: int, batch_size: int, staleness_bound: int,
+                         group_size: int | None = None) -> None:
+        body = {"version": int(version), "batch_size": int(batch_size), "staleness_bound": int(staleness_bound)}
+        if group_size is not None:  # the gateway budgets in sessions: batch_size x group_size
+            body["group_size"] = int(group_size)
+        _post(self.client, f"{self.base}/admin/trainer", body, headers=self.headers)
 
 
 def parse_engines(body: Any) -> list[str]:

@@ -60,7 +60,7 @@ async def trainer(request: Request) -> JSONResponse:
     await _admin(request)
     body = await read_json(request, TrainerStatus)
     admission = services(request).admission
-    applied = admission.update_trainer(body.model_dump(include={"version", "batch_size", "staleness_bound"}))
+    applied = admission.update_trainer(body.model_dump(include={"version", "batch_size", "staleness_bound", "group_size"}))
     if inspect.isawaitable(applied):  # the staleness hook writes the state to the shared store
         await applied
     return JSONResponse(admission.status())

@@ -238,3 +238,13 @@ def test_staleness_budget_429_then_admission_after_version_advances(gw):
         rows, meta, lease_id = lease(admin, wait_s=5)
         assert sorted(r.session_id for r in rows) == sorted(s["session_id"] for s in sessions[:2])
         assert admin.post("/v1/trajectories/ack", json={"lease_id": lease_id}).status_code == 200
+
+
+def test_trainer_tells_the_gateway_its_group_size(gw):
+    """One source of truth: the trainer's group size (not --group-size of the gateway) sizes the budget."""
+    with gw.admin() as admin:
+        r = admin.post("/admin/trainer", json={"version": 0, "batch_size": 3, "staleness_bound": 0, "group_size": 2})
+        assert r.status_code == 200, r.text
+        assert r.json()["trainer"]["group_size"] == 2 and r.json()["trainer"]["limit"] == 6
+        r = admin.post("/admin/trainer", json={"version": 0, "batch_size": 3, "staleness_bound": 0, "group_size": 0})
+        assert r.status_code == 400

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -89,7 +90,7 @@ def test_train_acks_checkpoints_and_resume_continues_the_version(tmp_path, dist_
     # a new batch continues the version count from 2
     third = synthetic_rows(2, 3, seed=3)
     gw2 = FakeGateway([second, third])
-    state = train(_settings(tmp_path, steps=3), http=gw2.client())
+    state = train(_settings(tmp_path, steps=1), http=gw2.client())  # --steps: steps to run now
     assert (state.step, state.version) == (3, 3)
     assert gw2.acked == ["lease-1", "lease-2"]
     metrics = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
@@ -129,3 +130,55 @@ def test_refused_push_stops_the_trainer_without_acking(tmp_path, dist_info):
     # paused, then resumed on the old version
     assert calls.index("/admin/pause") < calls.index("/update_weights_from_disk")
     assert gw.admin[-1] == ("/admin/resume", {"weight_version": 0})
+
+
+def _with_rewards(rows, rewards_by_group):
+    """The rows with each group's rewards replaced (in order), and a task id per group."""
+    import dataclasses
+
+    out, seen = [], {}
+    for row in rows:
+        i = seen[row.group_id] = seen.get(row.group_id, -1) + 1
+        r = float(rewards_by_group[row.group_id][i])
+        out.append(dataclasses.replace(row, reward=r, turn_rewards=np.array([r]), turn_returns=np.array([r]),
+                                       task_id=f"task-{row.group_id}"))
+    return out
+
+
+def test_zero_variance_batch_is_skipped_loudly_then_a_real_one_trains(tmp_path, dist_info, caplog):
+    flat = _with_rewards(synthetic_rows(2, 3, seed=5), {"g0": [1, 1, 1], "g1": [0, 0, 0]})
+    mixed = _with_rewards(synthetic_rows(2, 3, seed=6), {"g0": [1, 0, 0], "g1": [0, 0, 0]})
+    gw = FakeGateway([flat, mixed])
+    with caplog.at_level("WARNING", logger="trainer"):
+        state = train(_settings(tmp_path, steps=2, save_every=1, sync_mode="disk"), http=gw.client())
+    assert (state.step, state.version) == (2, 2)
+    assert any("NOTHING TO LEARN" in r.message and "2 groups" in r.message for r in caplog.records)
+    calls = [path for path, _ in gw.admin]
+    # step 1: no pause and no push, only the version moves; step 2: one real push
+    first_push = calls.index("/update_weights_from_disk")
+    assert ("/admin/resume", {"weight_version": 1}) in gw.admin[:first_push]
+    assert "/admin/pause" not in calls[:calls.index("/admin/resume")]
+    assert calls.count("/update_weights_from_disk") == 1 and gw.acked == ["lease-1", "lease-2"]
+    # the trainer tells the gateway its group size with the budget
+    trainer_posts = [body for path, body in gw.admin if path == "/admin/trainer"]
+    assert trainer_posts[0] == {"version": 0, "batch_size": 2, "staleness_bound": 1, "group_size": 3}
+    # only the trained step was checkpointed
+    assert [p.name for p in sorted((tmp_path / "ckpt").glob("step_*"))] == ["step_000002"]
+    metrics = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["skipped"] == "zero_variance" and "actor/loss" not in metrics[0]
+    assert metrics[1].get("skipped") is None and "actor/loss" in metrics[1]
+    for m in metrics:
+        assert m["batch/group_ids"] == ["g0", "g1"] and m["batch/task_ids"] == ["task-g0", "task-g1"]
+        assert m["batch/sessions"] == 6 and m["batch/groups"] == 2
+    assert metrics[0]["batch/zero_variance_groups"] == 2 and metrics[1]["batch/zero_variance_groups"] == 1
+    spread = {g["group_id"]: g for g in metrics[1]["batch/reward_spread"]}
+    assert (spread["g0"]["reward_min"], spread["g0"]["reward_max"], spread["g0"]["sessions"]) == (0.0, 1.0, 3)
+    assert spread["g0"]["reward_mean"] == pytest.approx(1 / 3, abs=1e-6) and spread["g1"]["reward_std"] == 0.0
+
+
+@pytest.mark.slow
+def test_only_the_newest_k_checkpoints_are_kept(tmp_path, dist_info):
+    batches = [_with_rewards(synthetic_rows(1, 2, seed=10 + i), {"g0": [0, 1]}) for i in range(3)]
+    train(_settings(tmp_path, steps=3, save_every=1, batch_groups=1, group_size=2, keep_checkpoints=2),
+          http=FakeGateway(batches).client())
+    assert [p.name for p in sorted((tmp_path / "ckpt").glob("step_*"))] == ["step_000002", "step_000003"]
