@@ -2,7 +2,8 @@
 
 A batch in which every group has zero reward variance has nothing to learn (every advantage is 0): it is
 reported loudly, acknowledged and counted as a step, but not trained on, pushed or checkpointed; the
-gateway's weight version still advances (the weights are unchanged) so that admission keeps going.
+gateway's weight version still advances (the weights are unchanged) so that admission keeps going. (A run
+whose every step was skipped still ends with one checkpoint, of the unchanged model, for eval and resume.)
 ``--steps N`` runs N steps now, also when resuming from a checkpoint.
 
 Reads top to bottom in :func:`train`; the helpers below it hold the detail. Order matters for safety: a
@@ -114,7 +115,8 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
             save(settings, state, seen, model, optimizer, info, model_dir)
             trained_since_save = False
 
-    if trained_since_save:  # the weights changed since the newest checkpoint
+    # the weights changed since the newest checkpoint, or a run that learned nothing has none to hand on
+    if trained_since_save or (state.step and checkpoint.latest(settings.checkpoint_dir) is None):
         save(settings, state, seen, model, optimizer, info, model_dir)
     if metrics_out is not None:
         metrics_out.close()
