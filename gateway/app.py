@@ -34,6 +34,7 @@ from gateway.errors import (
     InvalidRequest,
     NotFound,
     Overloaded,
+    anthropic_error_body,
     error_body,
     from_chat_error,
     from_store_error,
@@ -47,25 +48,32 @@ from gateway.store import errors as store_errors
 
 log = logging.getLogger("agentrl.gateway")
 
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape here
 
-def _render(exc: GatewayError) -> JSONResponse:
-    status, body = error_body(exc)
+
+def _anthropic_route(request: Request | None) -> bool:
+    return request is not None and request.url.path.rstrip("/").endswith(ANTHROPIC_PATHS)
+
+
+def _render(exc: GatewayError, request: Request | None = None) -> JSONResponse:
+    """The error response, in Anthropic's shape on the Messages routes and OpenAI's everywhere else."""
+    status, body = anthropic_error_body(exc) if _anthropic_route(request) else error_body(exc)
     headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, Overloaded) else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    async def gateway_error(_: Request, exc: Exception) -> JSONResponse:
+    async def gateway_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, GatewayError)
-        return _render(exc)
+        return _render(exc, request)
 
-    async def store_error(_: Request, exc: Exception) -> JSONResponse:
+    async def store_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, store_errors.StoreError)
-        return _render(from_store_error(exc))
+        return _render(from_store_error(exc), request)
 
-    async def chat_error(_: Request, exc: Exception) -> JSONResponse:
+    async def chat_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, ChatFormatError)
-        return _render(from_chat_error(exc))
+        return _render(from_chat_error(exc), request)
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -79,12 +87,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         status, body = error_body(err)
         return JSONResponse(body, status_code=exc.status_code)
 
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
-        return _render(InvalidRequest(f"invalid request: {exc}"))
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
+        return _render(InvalidRequest(f"invalid request: {exc}"), request)
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(error_body(GatewayError("internal error; see the gateway's log"))[1], status_code=500)
+        return _render(GatewayError("internal error; see the gateway's log"), request)
 
     app.add_exception_handler(GatewayError, gateway_error)
     app.add_exception_handler(store_errors.StoreError, store_error)

@@ -50,13 +50,18 @@ class Caller:
 
 
 def bearer(request: Request) -> str:
+    """The caller's key: ``Authorization: Bearer <key>``, or ``x-api-key: <key>`` (how Anthropic's SDKs send
+    it); the same keys either way."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise AuthenticationFailed(
-            "missing API key: send it as 'Authorization: Bearer <key>' (a session key, an agent key or the "
-            "admin key)")
-    return token.strip()
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    key = request.headers.get("x-api-key", "").strip()
+    if key:
+        return key
+    raise AuthenticationFailed(
+        "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>' (a session key, an "
+        "agent key or the admin key)")
 
 
 def _matches(key: str, candidates: Sequence[str]) -> bool:

@@ -20,7 +20,9 @@ Errors from the other layers are translated where they enter the gateway (``rais
 :func:`from_store_error` (``gateway.store.errors``), :func:`from_chat_error` (``gateway.chat.errors``) and
 :func:`from_validation_error` (pydantic); httpx errors are translated inside ``gateway.engine_client``.
 :func:`error_body` is the one place that turns an error into the OpenAI-shaped body
-``{"error": {"message", "type", "param", "code"}}`` and its HTTP status. Anything else that escapes a
+``{"error": {"message", "type", "param", "code"}}`` and its HTTP status; :func:`anthropic_error_body` its
+twin for Anthropic's Messages routes (``{"type": "error", "error": {"type", "message"}}``, types from the
+``anthropic`` package's ``ErrorType``). Anything else that escapes a
 route is a bug: it is logged with its traceback and answered 500 without leaking its text.
 """
 
@@ -105,6 +107,18 @@ def error_body(exc: GatewayError) -> tuple[int, dict[str, Any]]:
     return exc.status, {
         "error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}
     }
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(exc: GatewayError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and Anthropic-shaped body of an error (``/v1/messages`` and its siblings)."""
+    kind = _ANTHROPIC_TYPES.get(exc.status, "api_error")
+    message = exc.message if exc.param is None or exc.param in exc.message else f"{exc.param}: {exc.message}"
+    return exc.status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def from_store_error(exc: store_errors.StoreError) -> GatewayError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from typing import Any
 
@@ -10,6 +11,8 @@ from gateway.binding import Caller, may_access_session
 from gateway.errors import InvalidRequest, NotFound, from_store_error
 from gateway.store import Interaction, Store
 from gateway.store import errors as store_errors
+
+log = logging.getLogger("agentrl.gateway.formats")
 
 
 def hex_id(prefix: str) -> str:
@@ -55,3 +58,15 @@ async def conversation_of(store: Store, turn: Interaction, param: str) -> list[d
         messages += new
         messages.append(step.response_message)
     return messages
+
+
+def unsupported_tool(kind: object, param: str, reject: bool, dropped: list[str]) -> None:
+    """A tool the gateway cannot serve (hosted/server tools): 400 with ``--unsupported-tools reject``, else
+    left out of the prompt with a warning and listed in the recorded request's ``dropped``."""
+    message = (f"tool type {kind!r} cannot be served by this gateway (it serves function tools, which the "
+               "agent executes)")
+    if reject:
+        raise InvalidRequest(message + "; remove it, or run the gateway with --unsupported-tools drop",
+                             param=f"{param}.type", code="unsupported_tool")
+    log.warning("%s: %s; dropped from the prompt", param, message)
+    dropped.append(f"{param}: tool type {kind!r}")

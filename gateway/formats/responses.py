@@ -39,7 +39,7 @@ from pydantic import Field, StrictBool, StrictInt, ValidationError
 from gateway.decoding import ChoiceResult, StreamDelta, logprobs_json
 from gateway.engine_client import Generation
 from gateway.errors import GatewayError, InvalidRequest, from_validation_error
-from gateway.formats.common import sse
+from gateway.formats.common import sse, unsupported_tool
 from gateway.service import ChoiceRun, TurnEvent
 from gateway.wire import ChatCompletionRequest, WireModel
 
@@ -209,21 +209,11 @@ def convert_tools(tools: list[Any] | None, reject_unsupported: bool, namespaces:
                     out.append(_function(inner, f"{param}.tools[{j}]"))
                     namespaces[str(inner.get("name"))] = str(tool.get("name"))
                 else:
-                    _unsupported(inner.get("type") if isinstance(inner, Mapping) else None,
+                    unsupported_tool(inner.get("type") if isinstance(inner, Mapping) else None,
                                  f"{param}.tools[{j}]", reject_unsupported, dropped)
             continue
-        _unsupported(kind, param, reject_unsupported, dropped)
+        unsupported_tool(kind, param, reject_unsupported, dropped)
     return out or None
-
-
-def _unsupported(kind: object, param: str, reject: bool, dropped: list[str]) -> None:
-    message = (f"tool type {kind!r} cannot be served by this gateway (it serves function tools, which the "
-               "agent executes)")
-    if reject:
-        raise InvalidRequest(message + "; remove it, or run the gateway with --unsupported-tools drop",
-                             param=f"{param}.type", code="unsupported_tool")
-    log.warning("%s: %s; dropped from the prompt", param, message)
-    dropped.append(f"{param}: tool type {kind!r}")
 
 
 def convert_tool_choice(choice: object) -> object:

@@ -14,6 +14,7 @@ from fastapi import APIRouter
 ROUTER_MODULES: list[str] = [
     "gateway.routes.openai",
     "gateway.routes.responses",
+    "gateway.routes.messages",
     "gateway.routes.sessions",
     "gateway.routes.rewards",
     "gateway.routes.admin",
@@ -22,7 +23,7 @@ ROUTER_MODULES: list[str] = [
 ]
 
 SESSION_PREFIX = "/sessions/{session_id}"  # the same OpenAI routes, bound to one session by URL
-SESSION_MOUNTED = ("gateway.routes.openai", "gateway.routes.responses")
+SESSION_MOUNTED = ("gateway.routes.openai", "gateway.routes.responses", "gateway.routes.messages")
 
 
 def routers() -> list[tuple[APIRouter, str]]:

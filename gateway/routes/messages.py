@@ -1,0 +1,71 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (stream and not; ``?beta=true`` too),
+``POST /v1/messages/count_tokens``, and ``HEAD /`` (clients probe it before their first request).
+
+Thin: parse (``gateway.formats.messages``), bind the session as chat completions do (the key may come as
+``x-api-key``), run the conversation core and render a ``Message`` or its event stream. Errors on these
+routes are rendered in Anthropic's shape by the app's error handlers (``gateway.app.ANTHROPIC_PATHS``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from gateway.binding import session_for
+from gateway.chat.errors import ChatFormatError
+from gateway.chat.normalize import validate_messages
+from gateway.context import services
+from gateway.errors import from_chat_error
+from gateway.formats import messages as fmt
+from gateway.routes.common import caller, read_json
+from gateway.service import GenerationService
+
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _json(body: Any) -> Response:
+    return Response(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
+                    media_type="application/json")
+
+
+@router.post("/v1/messages")
+async def create_message(request: Request) -> Response:
+    svc = services(request)
+    who = await caller(request)
+    req = await read_json(request, fmt.MessagesRequest)
+    session = await session_for(who, request.path_params.get("session_id"), svc.store)
+    conv = fmt.to_conversation(req, svc.settings.unsupported_tools == "reject")
+    chat = fmt.to_chat_request(req, conv)
+    service = GenerationService(svc)
+    if req.stream:
+        plan, runs, events = await service.stream_turn(chat, session, id_prefix="msg_",
+                                                       meta=fmt.recorded_meta(conv))
+        stream = fmt.MessageStream(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
+        return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
+    plan, runs = await service.run_turn(chat, session, id_prefix="msg_", meta=fmt.recorded_meta(conv))
+    return _json(fmt.render_message(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer))
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    """The prompt's tokens as a root turn would render them (a continuation reuses its parent's tokens, so
+    a long conversation may count a few tokens differently)."""
+    svc = services(request)
+    await caller(request)
+    req = await read_json(request, fmt.CountTokensRequest)
+    conv = fmt.to_conversation(req, svc.settings.unsupported_tools == "reject")
+    try:
+        validate_messages(conv.messages, conv.tools)
+    except ChatFormatError as exc:
+        raise from_chat_error(exc) from exc
+    return _json({"input_tokens": len(svc.template.render(conv.messages, conv.tools))})
+
+
+@router.head("/")
+async def probe() -> Response:
+    return Response(status_code=200)
