@@ -225,6 +225,24 @@ class StalenessAdmission:
         return {"policy": "staleness", "trainer": self._state}
 
 
+def target_group_size(first: SessionRecord, default: int) -> int:
+    """Sessions per GRPO group, decided by a group's first session: its ``metadata.group_size`` if set,
+    else 1 for a session created without a group id (its group id is its own id), else ``default``."""
+    wanted = first.metadata.get("group_size") if isinstance(first.metadata, dict) else None
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted >= 1:
+        return wanted
+    return 1 if first.group_id == first.id else default
+
+
+def grpo_chunks(members: list[SessionRecord], default_size: int) -> list[tuple[list[SessionRecord], int]]:
+    """A group id's sessions cut, in creation order, into GRPO groups of the target size: ``(chunk, size)``."""
+    members = sorted(members, key=lambda s: (s.created_at, s.id))
+    if not members:
+        return []
+    size = target_group_size(members[0], default_size)
+    return [(members[i : i + size], size) for i in range(0, len(members), size)]
+
+
 class TrajectoryService:
     """Export loop + queue + staleness: what the trajectory routes and the admin hook call."""
 
@@ -326,9 +344,7 @@ class TrajectoryService:
                 groups[s.group_id].append(s)
         chunks: list[tuple[list[SessionRecord], int]] = []
         for members in groups.values():
-            members.sort(key=lambda s: (s.created_at, s.id))
-            size = self._target_size(members[0])
-            chunks += [(members[i : i + size], size) for i in range(0, len(members), size)]
+            chunks += grpo_chunks(members, self.settings.group_size)
         # Groups are independent: overlap their store round trips (bounded, to leave the pool to requests).
         gate = asyncio.Semaphore(self.EXPORT_CONCURRENCY)
 
@@ -358,12 +374,6 @@ class TrajectoryService:
             self._has_reward.add(s.id)  # rewards are replaced, never removed
             return True
         return False
-
-    def _target_size(self, first: SessionRecord) -> int:
-        wanted = first.metadata.get("group_size") if isinstance(first.metadata, dict) else None
-        if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted >= 1:
-            return wanted
-        return 1 if first.group_id == first.id else self.settings.group_size
 
     async def _consider(self, chunk: list[SessionRecord], size: int, now: float, busy: set[str]) -> None:
         ready = [s for s in chunk if s.status == "finished" and s.id not in busy]

@@ -151,3 +151,4 @@ class TrainerStatus(WireModel):
     batch_size: StrictInt = Field(ge=1, le=INT32_MAX)
     staleness_bound: StrictInt = Field(ge=0, le=INT32_MAX)
     group_size: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)  # the trainer's; replaces --group-size in the budget
+    metrics: dict[str, Any] | None = None  # the step's metrics (finite numbers kept), for the trace viewer

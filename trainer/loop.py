@@ -15,6 +15,7 @@ leases) rather than lost; re-delivered rows already trained on are dropped by ``
 from __future__ import annotations
 
 import json
+import math
 import logging
 import sys
 import time
@@ -103,11 +104,11 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
         for row in rows:
             seen.add(row.row_id)
         ack(leases, lease, info)
-        announce_trainer(control, settings, state.version, info)
 
         metrics.update({"step": state.step, "version": state.version, "batch/duplicates_dropped": dropped,
                         **batch, "gateway/gamma": (lease.meta.get("leases") or [{}])[0].get("gamma"),
                         "time": time.time()})
+        announce_trainer(control, settings, state.version, info, metrics=metrics)
         log_metrics(metrics, metrics_out, info)
         if not skipped:
             trained_since_save = True
@@ -145,10 +146,15 @@ def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo, clien
                                   backend=backend)
 
 
-def announce_trainer(control: Any, settings: TrainerSettings, version: int, info: DistInfo) -> None:
-    """Tell the gateway the trainer's version, batch size, staleness bound and group size (admission)."""
+def announce_trainer(control: Any, settings: TrainerSettings, version: int, info: DistInfo,
+                     metrics: dict[str, Any] | None = None) -> None:
+    """Tell the gateway the trainer's version, batch size, staleness bound and group size (admission), and
+    after a step that step's numeric metrics (the gateway's trainer page charts them)."""
     if info.is_main and isinstance(control, GatewayControl):
-        control.register_trainer(version, settings.batch_groups, settings.staleness_bound, settings.group_size)
+        numbers = {k: float(v) for k, v in (metrics or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        control.register_trainer(version, settings.batch_groups, settings.staleness_bound, settings.group_size,
+                                 metrics=numbers or None)
 
 
 def advance_version(control: Any, version: int, info: DistInfo) -> None:

@@ -112,10 +112,13 @@ class GatewayControl:
         _post(self.client, f"{self.base}/admin/resume", {"weight_version": int(version)}, headers=self.headers)
 
     def register_trainer(self, version: int, batch_size: int, staleness_bound: int,
-                         group_size: int | None = None) -> None:
-        body = {"version": int(version), "batch_size": int(batch_size), "staleness_bound": int(staleness_bound)}
+                         group_size: int | None = None, metrics: dict[str, float] | None = None) -> None:
+        body: dict[str, Any] = {"version": int(version), "batch_size": int(batch_size),
+                                "staleness_bound": int(staleness_bound)}
         if group_size is not None:  # the gateway budgets in sessions: batch_size x group_size
             body["group_size"] = int(group_size)
+        if metrics:
+            body["metrics"] = metrics  # the step's numbers, for the gateway's trainer page
         _post(self.client, f"{self.base}/admin/trainer", body, headers=self.headers)
 
 

@@ -20,6 +20,7 @@ ROUTER_MODULES: list[str] = [
     "gateway.routes.admin",
     "gateway.routes.health",
     "gateway.routes.trajectories",
+    "gateway.routes.ui",
 ]
 
 SESSION_PREFIX = "/sessions/{session_id}"  # the same OpenAI routes, bound to one session by URL

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from gateway.binding import require_admin
 from gateway.context import services
 from gateway.routes.common import caller, read_json
+from gateway.trainer_log import trainer_log
 from gateway.wire import PauseRequest, ResumeRequest, TrainerStatus
 
 router = APIRouter(prefix="/admin")
@@ -63,6 +64,8 @@ async def trainer(request: Request) -> JSONResponse:
     applied = admission.update_trainer(body.model_dump(include={"version", "batch_size", "staleness_bound", "group_size"}))
     if inspect.isawaitable(applied):  # the staleness hook writes the state to the shared store
         await applied
+    if body.metrics:
+        await trainer_log(request.app.state).add(version=body.version, metrics=body.metrics)
     return JSONResponse(admission.status())
 
 

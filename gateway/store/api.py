@@ -254,6 +254,11 @@ class Store:
         Database errors inside are raised as StoreError."""
         return self._write_tx()
 
+    def read_connection(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A connection for read-only queries of other store modules (``gateway.store.browse``);
+        database errors inside are raised as StoreError."""
+        return self._read()
+
     @asynccontextmanager
     async def _write_tx(self) -> AsyncIterator[AsyncConnection]:
         async with db_errors(), self._write_engine.begin() as conn:

@@ -1,4 +1,5 @@
-"""SQLAlchemy Core tables of the store, as created by Alembic revision ``0001_initial``.
+"""SQLAlchemy Core tables of the store, as created by Alembic revisions ``0001_initial`` and
+``0003_session_browse_indexes`` (browsing indexes).
 
 The migration, not ``metadata.create_all``, creates them; these definitions are what the queries use and
 must match the migration (a test compares them). Times are unix seconds (float); token arrays are packed
@@ -27,6 +28,8 @@ sessions = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("finished_at", sa.Float, nullable=True),
     sa.Column("last_activity_at", sa.Float, nullable=False),
+    sa.Index("ix_sessions_created_id", "created_at", "id"),  # 0003: newest-first keyset browsing
+    sa.Index("ix_sessions_status_created", "status", "created_at", "id"),
 )
 
 interactions = sa.Table(
