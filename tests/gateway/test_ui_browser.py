@@ -66,14 +66,18 @@ def _record(gw: GatewayProc) -> dict[str, Any]:
     r3 = ask(ca, msgs + [{"role": "user", "content": "Say it once more."}])
     r4 = ask(ca, msgs + [{"role": "user", "content": "Explain."}], n=6)
     b1 = ask(cb, [{"role": "user", "content": "What is 3 + 4?"}])
+    solo = gw.create_session(task_id="arith-9")  # a group of one: once finished, export consumes it
+    ask(openai.OpenAI(base_url=gw.base_url + "/v1", api_key=solo["api_key"], max_retries=0),
+        [{"role": "user", "content": "What is 5 + 4?"}])
     with gw.admin() as admin:
         for body in ({"response_id": r3.id, "reward": 1.0}, {"response_id": r4.id, "reward": 0.0},
-                     {"session_id": b["session_id"], "reward": 0.2}):
+                     {"session_id": b["session_id"], "reward": 0.2}, {"session_id": solo["session_id"], "reward": 1.0}):
             admin.post("/reward", json=body).raise_for_status()
+        admin.post(f"/v1/sessions/{solo['session_id']}/finish").raise_for_status()
         for step, (reward, gap) in enumerate([(0.20, 4e-3), (0.35, 3e-3), (0.30, 5e-3), (0.55, 2e-3)], start=1):
             admin.post("/admin/trainer", json={"version": step, "batch_size": 2, "staleness_bound": 1, "metrics": {
                 "step": step, "reward/mean": reward, "logprob_gap/mean": gap}}).raise_for_status()
-    return {"a": a["session_id"], "b": b["session_id"], "r1": r1.id, "retry": retry.id, "r2": r2.id,
+    return {"a": a["session_id"], "b": b["session_id"], "solo": solo["session_id"], "r1": r1.id, "retry": retry.id, "r2": r2.id,
             "r3": r3.id, "r4": r4.id, "b1": b1.id}
 
 
@@ -96,9 +100,10 @@ def test_click_through_the_viewer(browser: Any, gateway_factory: Callable[..., G
         page.wait_for_url("**/ui/sessions")
         assert gw.admin_key not in page.url
 
-        # sessions list: both sessions, counts per status
+        # sessions list: all three sessions, counts per status
         rows = page.locator("#sessions tbody tr")
-        assert rows.count() == 2
+        assert rows.count() == 3
+        assert page.locator("#sessions tbody tr").first.get_attribute("data-session") == ids["solo"]
         assert page.locator("#status-counts [data-status=active] b").inner_text() == "2"
         page.screenshot(path=str(shots / "ui_sessions.png"), full_page=True)
 
