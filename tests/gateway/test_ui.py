@@ -69,7 +69,8 @@ def make_gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> Callable[..
     async def make(replies: list[str]) -> AsyncIterator[Gw]:
         engine = httpx.ASGITransport(app=build_app(str(tiny_model_dir), replies, tokenizer=tokenizer))
         settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                                   admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600)
+                                   admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600,
+                                   gamma=1.0)  # undiscounted, so that row rewards are the hand-set ones
         settings.validate()
         async with httpx.AsyncClient(transport=engine) as engine_http:
             app = create_app(settings, http=engine_http, tokenizer=tokenizer)
@@ -138,6 +139,7 @@ async def test_session_tree_rows_and_tokens_match_the_store_and_export(make_gw: 
         assert data["dropped"] == [ids["retry"]] and by_id[ids["retry"]]["dropped"] is True
         assert not by_id[ids["retry"]]["exported"] and by_id[ids["r2"]]["exported"]
         turns = await gw.store.session_interactions(session_id=sid)
+        assert gw.app.state.trajectories.settings.gamma == 1.0 and data["export"]["gamma"] == 1.0
         rows = export_session([turn_from_interaction(t) for t in turns], gamma=1.0, session_id=sid, group_id="g1")
         assert [r["leaf_id"] for r in data["rows"]] == [r.leaf_id for r in rows] == [ids["r3"], ids["r4"]]
         assert [r["reward"] for r in data["rows"]] == [0.5, 0.0]

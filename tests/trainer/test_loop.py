@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import numpy as np
@@ -162,6 +163,12 @@ def test_zero_variance_batch_is_skipped_loudly_then_a_real_one_trains(tmp_path, 
     # the trainer tells the gateway its group size with the budget
     trainer_posts = [body for path, body in gw.admin if path == "/admin/trainer"]
     assert trainer_posts[0] == {"version": 0, "batch_size": 2, "staleness_bound": 1, "group_size": 3}
+    # and after each step that step's numeric metrics (the gateway's trace viewer charts them)
+    assert [p["version"] for p in trainer_posts] == [0, 1, 2]
+    step1, step2 = trainer_posts[1]["metrics"], trainer_posts[2]["metrics"]
+    assert step1["step"] == 1 and "actor/loss" not in step1 and "skipped" not in step1
+    assert step2["step"] == 2 and "reward/mean" in step2 and "logprob_gap/mean" in step2
+    assert all(isinstance(v, float) and math.isfinite(v) for m in (step1, step2) for v in m.values())
     # only the trained step was checkpointed
     assert [p.name for p in sorted((tmp_path / "ckpt").glob("step_*"))] == ["step_000002"]
     metrics = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
