@@ -13,6 +13,8 @@ import sys
 # subcommand -> module whose register() defines it
 SUBCOMMANDS = {
     "up": "agentrl.up",
+    "serve": "agentrl.serve",
+    "eval": "agentrl.evaluate",
     "engine": "engine.cli",
     "gateway": "gateway.cli",
     "train": "trainer.cli",

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 
-def reward_curve(steps: list[dict[str, Any]], path: Path, *, title: str, evals: dict[str, dict[str, Any]] | None = None) -> Path:
+def reward_curve(steps: list[dict[str, Any]], path: Path, *, title: str, evals: dict[str, dict[str, Any]] | None = None,
+                 custom: bool = False) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -15,12 +16,14 @@ def reward_curve(steps: list[dict[str, Any]], path: Path, *, title: str, evals: 
     xs = [s["step"] for s in steps]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     ax.plot(xs, [s["mean_reward"] for s in steps], "o-", linewidth=2.5, alpha=0.6, label="mean reward (training rollouts)")
-    ax.plot(xs, [s["turn1_accuracy"] for s in steps], "s--", label="turn-1 accuracy")
-    ax.plot(xs, [s["final_accuracy"] for s in steps], "^--", label="final accuracy (after retries)")
+    if not custom:  # the example agents' accuracies; your own agent has only rewards
+        ax.plot(xs, [s["turn1_accuracy"] for s in steps], "s--", label="turn-1 accuracy")
+        ax.plot(xs, [s["final_accuracy"] for s in steps], "^--", label="final accuracy (after retries)")
     for name, style in (("before", ":"), ("after", "-.")):
         if evals and name in evals:
-            acc = evals[name].get("accuracy_final") or 0.0
-            ax.axhline(acc, color="grey", linestyle=style, linewidth=1, label=f"eval {name} training (final acc): {acc:.2f}")
+            key, what = ("mean_reward", "mean reward") if custom else ("accuracy_final", "final acc")
+            acc = evals[name].get(key) or 0.0
+            ax.axhline(acc, color="grey", linestyle=style, linewidth=1, label=f"eval {name} training ({what}): {acc:.2f}")
     ax.set_xlabel("training step (rollouts under weight version = step)")
     ax.set_xticks(xs)
     ax.set_ylabel("reward / accuracy")

@@ -39,7 +39,12 @@ class UpSettings:
     model: str = field(default="smollm2", metadata={"help": "smollm2, tiny or a Hugging Face model directory"})
     quick: bool = field(default=False, metadata={"help": "a run of a few minutes: fewer steps, prompts and evals"})
     dataset: str = field(default="synthetic:1", metadata={"help": "training/eval task: synthetic[:DIFFICULTY] or gsm8k:PATH"})
-    agent: str = field(default="math", metadata={"help": "example agent: math (multi-turn with self-correction) or tools"})
+    agent: str = field(default="math", metadata={"help": "example agent: math (multi-turn with self-correction) or tools; "
+                                                          "or your own: module:function, an async episode function "
+                                                          "(docs/own-agent.md) run on --dataset FILE.jsonl"})
+    eval_dataset: str = field(default="", metadata={"help": "with --agent module:function: JSONL tasks evaluated before "
+                                                            "and after training (default: the first --eval-limit "
+                                                            "tasks of --dataset)"})
     steps: int = field(default=4, metadata={"help": "trainer steps (quick: 2)"})
     group_size: int = field(default=defaults.GROUP_SIZE, metadata={"help": "sessions per prompt (a GRPO group); the trainer tells the gateway"})
     batch_groups: int = field(default=4, metadata={"help": "groups per trainer step (quick: 2)"})
@@ -67,6 +72,13 @@ class UpSettings:
             raise SettingsError("--steps must be at least 1")
         if self.group_size < 2:
             raise SettingsError("--group-size must be at least 2: GRPO compares sessions within a group")
+        if ":" in self.agent:  # your own episode function: tasks come from a JSONL file
+            if not self.dataset.endswith(".jsonl"):
+                raise SettingsError(f"--agent {self.agent} runs on your tasks: pass --dataset FILE.jsonl "
+                                    f"(one JSON object per line), not {self.dataset!r}")
+            for name in ("dataset", "eval_dataset"):
+                if getattr(self, name) and not Path(getattr(self, name)).is_file():
+                    raise SettingsError(f"--{name.replace('_', '-')} {getattr(self, name)}: no such file")
         if not self.out_dir:
             self.out_dir = str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
@@ -152,7 +164,7 @@ def up(settings: UpSettings) -> dict[str, Any]:
             say(f"evaluating on {settings.eval_limit} held-out prompts (greedy)")
             evals["before"] = _run_agents(settings, gateway_url, admin_key, eval=True)
             say(f"eval before: turn-1 accuracy {evals['before']['accuracy_turn1']}, "
-                f"final {evals['before']['accuracy_final']}")
+                f"final {evals['before']['accuracy_final']}, mean reward {evals['before']['mean_reward']}")
 
             steps: list[dict[str, Any]] = []
             for step in range(settings.steps):
@@ -171,7 +183,7 @@ def up(settings: UpSettings) -> dict[str, Any]:
             say("evaluating again")
             evals["after"] = _run_agents(settings, gateway_url, admin_key, eval=True)
             say(f"eval after: turn-1 accuracy {evals['after']['accuracy_turn1']}, "
-                f"final {evals['after']['accuracy_final']}")
+                f"final {evals['after']['accuracy_final']}, mean reward {evals['after']['mean_reward']}")
             trainer = next(c for c in procs.children if c.name == "trainer")
             try:
                 trainer.proc.wait(timeout=300)
@@ -188,6 +200,9 @@ def up(settings: UpSettings) -> dict[str, Any]:
 def _run_agents(settings: UpSettings, gateway_url: str, admin_key: str, *, eval: bool, offset: int = 0) -> dict[str, Any]:
     from agents.runner import RunnerSettings, run_agents
 
+    if ":" in settings.agent:
+        return _run_episode_fn(settings, gateway_url, admin_key, eval=eval, offset=offset)
+
     runner = RunnerSettings(
         agent=settings.agent, gateway=gateway_url, admin_key=admin_key, dataset=settings.dataset,
         split="test" if eval else "train", limit=settings.eval_limit if eval else settings.batch_groups,
@@ -196,6 +211,22 @@ def _run_agents(settings: UpSettings, gateway_url: str, admin_key: str, *, eval:
         max_tokens=settings.max_tokens, progress=True,
     )
     return asyncio.run(run_agents(runner))
+
+
+def _run_episode_fn(settings: UpSettings, gateway_url: str, admin_key: str, *, eval: bool, offset: int) -> dict[str, Any]:
+    """Your own agent (``--agent module:function``) on the JSONL tasks: groups in training, one greedy
+    episode per task in evaluation."""
+    from agentrl.episodes import load_episode_fn, load_tasks, run_episodes
+
+    if eval:
+        tasks = load_tasks(settings.eval_dataset or settings.dataset, limit=settings.eval_limit)
+    else:
+        tasks = load_tasks(settings.dataset, limit=settings.batch_groups, offset=offset)
+    return asyncio.run(run_episodes(
+        load_episode_fn(settings.agent), tasks, gateway=gateway_url, key=admin_key,
+        group_size=1 if eval else settings.group_size, eval=eval,
+        temperature=0.0 if eval else settings.temperature, concurrency=settings.concurrency,
+        metadata={"agent": settings.agent, "dataset": settings.dataset}))
 
 
 def _wait_for_version(procs, gateway_url: str, admin_key: str, version: int, timeout_s: float) -> None:
@@ -221,7 +252,8 @@ def _write_results(settings: UpSettings, out: Path, steps: list[dict[str, Any]],
 
     checkpoints = sorted((out / "trainer").glob("**/config.json"), key=lambda p: p.stat().st_mtime)
     png = reward_curve(steps, out / "reward_curve.png", evals=evals,
-                       title=f"agentrl up: {settings.model}, {settings.dataset}, {settings.agent} agent")
+                       title=f"agentrl up: {settings.model}, {settings.dataset}, {settings.agent} agent",
+                       custom=":" in settings.agent)
     summary = {
         "model": settings.model, "dataset": settings.dataset, "steps": len(steps),
         "eval_before": {k: evals["before"].get(k) for k in ("accuracy_turn1", "accuracy_final", "mean_reward")},
@@ -241,6 +273,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"agentrl up: {summary['model']} on {summary['dataset']}, {summary['steps']} steps, {summary['elapsed_s']:.0f}s",
         f"  eval before: turn-1 accuracy {summary['eval_before']['accuracy_turn1']}, final {summary['eval_before']['accuracy_final']}",
         f"  eval after:  turn-1 accuracy {summary['eval_after']['accuracy_turn1']}, final {summary['eval_after']['accuracy_final']}",
+        f"  eval mean reward: before {summary['eval_before']['mean_reward']}, after {summary['eval_after']['mean_reward']}",
         f"  training reward: step 1 {summary['first_step_reward']:.3f} -> step {summary['steps']} {summary['last_step_reward']:.3f}",
         f"  reward curve: {summary['reward_curve']}",
         f"  checkpoint:   {summary['checkpoint']}",

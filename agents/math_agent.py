@@ -4,27 +4,24 @@ The agent asks the question; if the answer is wrong (or cannot be parsed) it tel
 it try again, up to ``max_turns``. Every turn is rewarded by its response id, so the gateway's tree holds
 a path of turns with a reward on each, and the trainer can send credit back to the first turn.
 
-Point it at the gateway by creating a session (admin key) and using the session's ``base_url`` and
-``api_key`` like any OpenAI endpoint::
+Point it at the gateway with `agentrl.client`: reserve a group, and give each episode's OpenAI client to
+the agent, with the episode's ``reward`` as the reward sink::
 
-    import asyncio, httpx
-    from openai import AsyncOpenAI
+    import asyncio
+    from agentrl.client import AsyncGateway
     from agents.datasets import Sample
-    from agents.episode import GatewayRewards
     from agents.math_agent import run_math_agent
 
     async def main():
-        gateway = "http://127.0.0.1:8000"
-        async with httpx.AsyncClient() as http:
-            session = (await http.post(f"{gateway}/v1/sessions", json={"task_id": "q1"},
-                                       headers={"Authorization": "Bearer ADMIN_KEY"})).json()
-            client = AsyncOpenAI(base_url=session["base_url"], api_key=session["api_key"])
-            sample = Sample(id="q1", question="What is 6 * 7?", answer="42")
-            episode = await run_math_agent(client, sample, model="default",
-                                           rewards=GatewayRewards(gateway, session["api_key"]))
-            await http.post(f"{gateway}/v1/sessions/{session['session_id']}/finish",
-                            headers={"Authorization": "Bearer ADMIN_KEY"})
-            print(episode.correct_final, [t.reward for t in episode.turns])
+        sample = Sample(id="q1", question="What is 6 * 7?", answer="42")
+        async with AsyncGateway("http://127.0.0.1:8000", "ADMIN_KEY") as gateway:
+            async with gateway.group(sample.id, size=4) as group:   # finished when the block ends
+                async def one(e):
+                    async def post(response_id, reward):
+                        await e.reward(reward, response_id=response_id)
+                    return await run_math_agent(e.async_openai(), sample, model=e.model, rewards=post)
+                episodes = await asyncio.gather(*(one(e) for e in group))
+        print([[t.reward for t in ep.turns] for ep in episodes])
 
     asyncio.run(main())
 

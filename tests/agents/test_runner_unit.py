@@ -1,4 +1,4 @@
-"""Runner pieces without a gateway: settings validation, the CLI flags, backoff on 429 and on a dead gateway."""
+"""Runner pieces without a gateway: settings validation, the CLI flags, group reservation and a dead gateway."""
 
 import argparse
 
@@ -7,7 +7,7 @@ import pytest
 
 from agentrl.settings import SettingsError, load
 from agents.cli import register
-from agents.runner import Counters, Gateway, GatewayError, GatewayUnavailable, RunnerSettings
+from agents.runner import GatewayUnavailable, RunnerSettings
 from tests.conftest import free_port
 
 
@@ -45,46 +45,36 @@ def test_bad_settings_say_how_to_fix(kw, message):
         settings(**kw)
 
 
-async def test_429_backs_off_honouring_retry_after():
-    calls = []
+async def test_runner_reserves_whole_groups_and_counts_the_clients_429s():
+    """The runner reserves each prompt's group in one POST /v1/groups (agentrl.client; its failure paths
+    are tested in tests/agentrl/test_client.py), waiting out 429s; the summary reports them."""
+    from agents.runner import run_agents
+
+    calls: list[httpx.Request] = []
+    refused = 0
 
     def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal refused
         calls.append(request)
-        if len(calls) <= 2:
-            return httpx.Response(429, headers={"Retry-After": "0"},
-                                  json={"error": {"message": "staleness budget", "type": "rate_limit"}})
-        return httpx.Response(200, json={"session_id": "s1", "api_key": "sk", "base_url": "/sessions/s1/v1"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "object": "model"}]})
+        if refused < 1:
+            refused += 1
+            return httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {"message": "budget"}})
+        return httpx.Response(503, json={"error": {"message": "down"}})
 
-    counters = Counters()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-        gateway = Gateway(settings(gateway="http://gw:9"), http, counters)
-        session = await gateway.create_session(group_id="g", task_id="t", metadata={"eval": True})
-    assert session.base_url == "http://gw:9/sessions/s1/v1"  # relative base_url joined to the gateway
-    assert counters.backoffs_429 == 2 and len(calls) == 3
-    assert calls[0].headers["authorization"] == "Bearer k"
+    import respx
 
+    with respx.mock(base_url="http://gw:9", assert_all_called=False) as mock:
+        mock.route().mock(side_effect=handler)
+        with pytest.raises(GatewayUnavailable, match="503 down"):
+            await run_agents(settings(gateway="http://gw:9", limit=1, group_size=3, progress=False,
+                                      gateway_wait_s=0.5))
+    posts = [c for c in calls if c.method == "POST"]
+    assert {c.url.path for c in posts} == {"/v1/groups"}
+    import json
 
-async def test_503_retried_then_4xx_is_an_error():
-    statuses = iter([503, 400])
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(next(statuses), json={"error": {"message": "bad reward", "type": "invalid_request"}})
-
-    counters = Counters()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-        gateway = Gateway(settings(), http, counters)
-        with pytest.raises(GatewayError, match="400: bad reward"):
-            await gateway.post_reward("chatcmpl-1", 1.0, "sk")
-    assert counters.gateway_retries == 1
-
-
-async def test_dead_gateway_gives_up_after_gateway_wait():
-    counters = Counters()
-    async with httpx.AsyncClient() as http:
-        gateway = Gateway(settings(gateway=f"http://127.0.0.1:{free_port()}", gateway_wait_s=1.5), http, counters)
-        with pytest.raises(GatewayUnavailable, match="still failing after"):
-            await gateway.finish("s1")
-    assert counters.gateway_retries >= 2
+    assert json.loads(posts[0].content)["size"] == 3
 
 
 def test_cli_exit_codes(tmp_path, capsys):
