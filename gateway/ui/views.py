@@ -3,7 +3,7 @@
 Everything here reads; nothing writes. The pieces come from where they already live, so that the viewer
 shows what the system does rather than a second opinion of it:
 
-- the turn tree from ``Store.session_tree_json`` (the same JSON as ``GET /v1/sessions/{id}``);
+- the turn tree from ``gateway.store.tree.tree_json`` (the JSON of ``GET /v1/sessions/{id}``);
 - dropped retries and the rows export will produce from :mod:`agentrl.trajectory` (``abandoned_retries``,
   ``export_session``) with the gateway's export settings (mode, gamma, reward mode);
 - GRPO groups as the exporter cuts them (``gateway.lifecycle.grpo_chunks``) and their advantages from
@@ -25,6 +25,7 @@ from gateway.lifecycle import ExportSettings, grpo_chunks
 from gateway.store import Interaction, SessionRecord, Store
 from gateway.store import errors as store_errors
 from gateway.store.browse import SessionFilter, sessions_page, status_counts
+from gateway.store.tree import tree_json
 
 MAX_TOKENS_SHOWN = 16384  # a token view longer than this shows its last tokens (the newest turn)
 
@@ -85,7 +86,7 @@ def _messages(request: dict[str, Any]) -> list[dict[str, Any]]:
 async def session_detail(store: Store, session_id: str, settings: ExportSettings) -> dict[str, Any]:
     """The turn tree, each turn annotated with what the viewer needs (see docs/gateway.md)."""
     session, turns = await _load(store, session_id)
-    tree = await store.session_tree_json(session_id=session_id)
+    tree = tree_json(session, turns, None)  # what Store.session_tree_json returns, without reading again
     history = await store.reward_history(session_id=session_id)
     as_turns = [turn_from_interaction(t) for t in turns]
     dropped = abandoned_retries(as_turns)

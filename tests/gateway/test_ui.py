@@ -66,11 +66,11 @@ class Gw:
 @pytest.fixture
 def make_gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> Callable[..., Any]:
     @asynccontextmanager
-    async def make(replies: list[str]) -> AsyncIterator[Gw]:
+    async def make(replies: list[str], **overrides: Any) -> AsyncIterator[Gw]:
         engine = httpx.ASGITransport(app=build_app(str(tiny_model_dir), replies, tokenizer=tokenizer))
         settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
                                    admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600,
-                                   gamma=1.0)  # undiscounted, so that row rewards are the hand-set ones
+                                   **{"gamma": 1.0, **overrides})  # undiscounted: row rewards are the hand-set ones
         settings.validate()
         async with httpx.AsyncClient(transport=engine) as engine_http:
             app = create_app(settings, http=engine_http, tokenizer=tokenizer)
@@ -177,8 +177,8 @@ async def test_session_tree_rows_and_tokens_match_the_store_and_export(make_gw: 
         assert (await gw.get(f"/ui/api/sessions/{sid}/rows/{ids['retry']}/tokens")).status_code == 404  # dropped
 
 
-async def test_bridge_tokens_are_labelled(make_gw: Any) -> None:
-    async with make_gw(["A long answer that gets cut off here.", "Ok."]) as gw:
+async def test_bridge_tokens_are_labelled_and_individual_rows_shown(make_gw: Any) -> None:
+    async with make_gw(["A long answer that gets cut off here.", "Ok."], export_mode="individual") as gw:
         s = await gw.session()
         client = gw.sdk(s["api_key"])
         msgs: list[dict[str, Any]] = [{"role": "user", "content": "Tell me"}]
@@ -194,6 +194,16 @@ async def test_bridge_tokens_are_labelled(make_gw: Any) -> None:
         assert tk["kind"][start - 1] == "context" and tk["kind"][start + t2.bridge_len] == "prompt"
         page = await gw.get(f"/ui/sessions/{s['session_id']}/turns/{r2.id}/tokens")
         assert page.text.count("k-bridge m0") >= t2.bridge_len
+        # individual export: one row per turn, the inner turn included; only the row's own turn is trained
+        detail = (await gw.get(f"/ui/api/sessions/{s['session_id']}")).json()
+        assert detail["export"]["mode"] == "individual" and [r["leaf_id"] for r in detail["rows"]] == [r1.id, r2.id]
+        t1 = await gw.store.get_interaction(interaction_id=r1.id)
+        row = (await gw.get(f"/ui/api/sessions/{s['session_id']}/rows/{r2.id}/tokens")).json()
+        assert row["tokens"]["ids"] == tk["ids"] and row["tokens"]["kind"] == [
+            "prompt"] * len(t1.prompt_ids) + ["output"] * len(t1.output_ids) + tk["kind"][len(t1.prompt_ids) + len(t1.output_ids):]
+        assert row["tokens"]["loss_mask"] == tk["loss_mask"] and row["row"]["turn_ids"] == [r2.id]
+        inner = (await gw.get(f"/ui/api/sessions/{s['session_id']}/rows/{r1.id}/tokens")).json()
+        assert sum(inner["tokens"]["loss_mask"]) == len(t1.output_ids) == inner["row"]["trained_tokens"]
 
 
 async def test_sessions_list_filters_counts_and_keyset_pages(make_gw: Any) -> None:

@@ -81,6 +81,7 @@ def _record(gw: GatewayProc) -> dict[str, Any]:
             "r3": r3.id, "r4": r4.id, "b1": b1.id}
 
 
+@pytest.mark.slow  # ~100 s here, most of it starting the engine and gateway processes
 def test_click_through_the_viewer(browser: Any, gateway_factory: Callable[..., GatewayProc], tmp_path: Path) -> None:
     gw = gateway_factory()
     ids = _record(gw)
