@@ -1,25 +1,28 @@
-"""Admission control: whether a new session or implicit episode may start now.
+"""Admission control: whether new sessions may start now, and giving back what was charged.
 
-The gateway asks ``app.state.admission.check(kind=...)`` before it creates a session (``POST /v1/sessions``)
-and before it starts an implicit-mode episode. :class:`AlwaysAdmit` is the default; the staleness budget of
-DESIGN.md section 5 replaces it (``app.state.admission = ...``), raising :class:`gateway.errors.Overloaded`
-(429 with ``Retry-After``) when admitting would exceed ``(k + v + 1) * B``. ``POST /admin/trainer`` hands
-the trainer's status to ``update_trainer``.
+The gateway reserves budget before it creates sessions (``POST /v1/groups`` reserves a whole group in one
+decision, ``POST /v1/sessions`` one session or the first session's whole group, an implicit-mode request
+one session per choice) and gives it back on every path where the sessions are not created after all
+(engine down, context too long, client gone, store error). :class:`AlwaysAdmit` is the default; the
+staleness budget of DESIGN.md section 5 replaces it (``app.state.admission = ...``), raising
+:class:`gateway.errors.Overloaded` (429 with ``Retry-After``) when admitting would exceed the budget.
+``POST /admin/trainer`` hands the trainer's status to ``update_trainer``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
-
-AdmissionKind = Literal["session", "implicit_episode"]
+from typing import Any, Protocol
 
 
 class Admission(Protocol):
-    async def check(self, *, kind: AdmissionKind, metadata: dict[str, Any] | None = None) -> None:
-        """Return if a new session/episode may start; raise ``Overloaded`` if not (``metadata`` of a new
-        session: eval sessions do not count against the staleness budget)."""
+    async def reserve(self, n: int, *, metadata: dict[str, Any] | None = None) -> int:
+        """Charge ``n`` new sessions (all or none) and return how many were charged: 0 for eval sessions
+        (``metadata.eval``) and when nothing is counted. Raise ``Overloaded`` if they do not fit."""
 
-    def update_trainer(self, status: dict[str, Any]) -> None:
+    async def release(self, n: int) -> None:
+        """Give back ``n`` charged sessions that were not created or will never be trained."""
+
+    def update_trainer(self, status: dict[str, Any]) -> Any:
         """The trainer's ``{"version", "batch_size", "staleness_bound"}``, as posted to /admin/trainer."""
 
     def status(self) -> dict[str, Any]:
@@ -30,7 +33,10 @@ class AlwaysAdmit:
     def __init__(self) -> None:
         self.trainer: dict[str, Any] | None = None
 
-    async def check(self, *, kind: AdmissionKind, metadata: dict[str, Any] | None = None) -> None:
+    async def reserve(self, n: int, *, metadata: dict[str, Any] | None = None) -> int:
+        return 0
+
+    async def release(self, n: int) -> None:
         return None
 
     def update_trainer(self, status: dict[str, Any]) -> None:

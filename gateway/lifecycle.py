@@ -7,9 +7,13 @@ A background loop (one per gateway; with Redis, one leader among replicas) does,
 2. **Readiness.** Non-eval sessions that are active or finished are grouped by ``group_id`` and cut, in
    creation order, into groups of the target size: ``metadata.group_size`` of the group's first session
    if set, else 1 for a session created without a group id (its group id is its own id), else
-   ``group_size``. A group is ready when it is full and all of its sessions are finished with no turn in
-   flight. A group whose first session is older than ``group_timeout_s`` goes out with the sessions that
-   have finished (a smaller group, ``complete: false``); its still-active sessions are marked abandoned.
+   ``group_size``; a group admitted as a whole (``gateway.groups``) has its own size. A group is ready when
+   it is full and all of its sessions are finished with no turn in flight, or, for an admitted group that
+   no session can join any more, as soon as its remaining sessions are finished (an abandoned session
+   does not hold it back; ``complete: false``). A group with no activity (turn, finish, creation) for
+   ``group_timeout_s`` goes out with the sessions that have finished (a smaller group,
+   ``complete: false``); its still-active sessions are marked abandoned and its unused places are given
+   back to the staleness budget.
    A finished session with a turn still in flight is left out of a group until that turn has ended, so
    that one slow turn never blocks the queue.
 3. **Export.** The group's sessions are marked consumed (compare-and-set from finished: from then on a
@@ -55,7 +59,7 @@ from agentrl.trajectory import (
 from gateway import errors
 from gateway.queue import QueuedGroup, RedisQueue, SqlQueue, TrajectoryQueue, lease_meta
 from gateway.staleness import StalenessControl
-from gateway.store import SessionRecord, Store
+from gateway.store import GroupRecord, SessionRecord, Store
 from gateway.store import errors as store_errors
 
 log = logging.getLogger("agentrl.gateway.lifecycle")
@@ -204,9 +208,12 @@ class StalenessAdmission:
             except Exception:
                 pass
 
-    async def check(self, *, kind: str, metadata: dict[str, Any] | None = None) -> None:
+    async def reserve(self, n: int, *, metadata: dict[str, Any] | None = None) -> int:
         await self._settle()
-        await self.service.staleness.admit(is_eval=bool(metadata and metadata.get("eval") is True))
+        return await self.service.staleness.admit(n=n, is_eval=bool(metadata and metadata.get("eval") is True))
+
+    async def release(self, n: int) -> None:
+        await self.service.staleness.release(n)
 
     def update_trainer(self, status: dict[str, Any]) -> asyncio.Future[Any]:
         """Register the trainer / move its version. Returns an awaitable; callers that do not await it
@@ -234,12 +241,14 @@ def target_group_size(first: SessionRecord, default: int) -> int:
     return 1 if first.group_id == first.id else default
 
 
-def grpo_chunks(members: list[SessionRecord], default_size: int) -> list[tuple[list[SessionRecord], int]]:
-    """A group id's sessions cut, in creation order, into GRPO groups of the target size: ``(chunk, size)``."""
+def grpo_chunks(members: list[SessionRecord], default_size: int, *,
+                size: int | None = None) -> list[tuple[list[SessionRecord], int]]:
+    """A group id's sessions cut, in creation order, into GRPO groups of the target size (``size`` if given:
+    a group admitted as a whole): ``(chunk, size)``."""
     members = sorted(members, key=lambda s: (s.created_at, s.id))
     if not members:
         return []
-    size = target_group_size(members[0], default_size)
+    size = size or target_group_size(members[0], default_size)
     return [(members[i : i + size], size) for i in range(0, len(members), size)]
 
 
@@ -342,17 +351,20 @@ class TrajectoryService:
         for s in live:
             if not s.is_eval:
                 groups[s.group_id].append(s)
-        chunks: list[tuple[list[SessionRecord], int]] = []
-        for members in groups.values():
-            chunks += grpo_chunks(members, self.settings.group_size)
+        admitted = await self.store.get_groups(group_ids=list(groups))
+        chunks: list[tuple[list[SessionRecord], int, GroupRecord | None]] = []
+        for gid, members in groups.items():
+            row = admitted.get(gid)
+            chunks += [(chunk, size, row) for chunk, size in
+                       grpo_chunks(members, self.settings.group_size, size=row.size if row is not None else None)]
         # Groups are independent: overlap their store round trips (bounded, to leave the pool to requests).
         gate = asyncio.Semaphore(self.EXPORT_CONCURRENCY)
 
-        async def consider(chunk: list[SessionRecord], size: int) -> None:
+        async def consider(chunk: list[SessionRecord], size: int, row: GroupRecord | None) -> None:
             async with gate:
-                await self._consider(chunk, size, now, busy)
+                await self._consider(chunk, size, row, now, busy)
 
-        await asyncio.gather(*(consider(chunk, size) for chunk, size in chunks))
+        await asyncio.gather(*(consider(chunk, size, row) for chunk, size, row in chunks))
         await self._upkeep()
 
     async def _maybe_finish_idle(self, s: SessionRecord, now: float, busy: set[str]) -> SessionRecord:
@@ -375,12 +387,19 @@ class TrajectoryService:
             return True
         return False
 
-    async def _consider(self, chunk: list[SessionRecord], size: int, now: float, busy: set[str]) -> None:
+    async def _consider(self, chunk: list[SessionRecord], size: int, row: GroupRecord | None, now: float,
+                        busy: set[str]) -> None:
         ready = [s for s in chunk if s.status == "finished" and s.id not in busy]
         if len(chunk) == size and len(ready) == size:
             await self._export(ready, complete=True)
             return
-        if now - chunk[0].created_at < self.settings.group_timeout_s:
+        # An admitted group that no session can join any more goes as soon as its live sessions are done:
+        # a session abandoned early never holds the others back.
+        if row is not None and row.sealed and ready and len(ready) == len(chunk):
+            await self._export(ready, complete=False)
+            return
+        last_activity = max(max(s.last_activity_at, s.finished_at or 0.0, s.created_at) for s in chunk)
+        if now - last_activity < self.settings.group_timeout_s:
             return
         abandoned = 0
         for s in chunk:
@@ -390,9 +409,11 @@ class TrajectoryService:
                     abandoned += 1
                 except (store_errors.Conflict, store_errors.NotFound):
                     pass  # it finished (or vanished) meanwhile; the next tick sees it
-        if abandoned:
+        # places reserved and never used are given back with the group
+        unused = await self.store.close_group(group_id=row.id, status="closed") if row is not None else 0
+        if abandoned or unused:
             self.stats.sessions_abandoned += abandoned
-            await self.staleness.release(abandoned)
+            await self.staleness.release(abandoned + unused)
         if ready:
             await self._export(ready, complete=False)
 

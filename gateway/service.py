@@ -80,6 +80,8 @@ class TurnPlan:
     request_hash: str
     group_id: str | None = None  # implicit episodes: hash of the root prompt
     implicit: bool = False
+    charged: int = 0  # sessions charged to the staleness budget for new implicit episodes (one per choice)
+    handed: int = 0  # of those, sessions created (they keep their charge; the rest is given back)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -128,6 +130,16 @@ class GenerationService:
         if plan.session is not None and (given is None or plan.session.id != given.id):
             await self._track(turn, plan.session)
 
+    async def _planned(self, turn: AsyncExitStack, plan: TurnPlan) -> None:
+        """When ``turn`` closes, give back the budget charged for implicit episodes that were never created
+        (the engine failed, the context was too long, the client went away, the store refused)."""
+        async def give_back() -> None:
+            unused = plan.charged - plan.handed
+            if unused > 0:
+                plan.charged = plan.handed
+                await self.svc.admission.release(unused)
+        turn.push_async_callback(give_back)
+
     # ------------------------------------------------------------------------------------ planning
     async def _find_parent(self, session_id: str, candidates: list[tuple[int, str]]) -> Any:
         try:
@@ -167,7 +179,7 @@ class GenerationService:
         plan.request_hash = hashes[-1]
         if session is None:
             plan.group_id = group_of_root(hashes[-1], req.tools)
-            await self.svc.admission.check(kind="implicit_episode")
+            plan.charged = await self.svc.admission.reserve(req.n)
         plan.timings["plan_ms"] = _ms(started)
         return plan
 
@@ -282,6 +294,7 @@ class GenerationService:
                 else:
                     created = await store.create_session(group_id=plan.group_id,
                                                          metadata={"implicit": True})
+                    plan.handed += 1
                     sessions.append(created.id)
             rows = []
             for run, sid in zip(runs, sessions):
@@ -336,6 +349,7 @@ class GenerationService:
             await self._track(turn, session)
             plan = await self.plan_chat(req, session)
             plan.request.update(meta or {})
+            await self._planned(turn, plan)
             await self._track_planned(turn, session, plan)
             params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
             runs = self._choices(req, id_prefix, req.wants_tools)
@@ -354,6 +368,7 @@ class GenerationService:
             await self._track(turn, session)
             plan = await self.plan_chat(req, session)
             plan.request.update(meta or {})
+            await self._planned(turn, plan)
             await self._track_planned(turn, session, plan)
             params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
             runs = self._choices(req, id_prefix, req.wants_tools)
@@ -535,7 +550,7 @@ class GenerationService:
                         implicit=session is None)
         if session is None:
             plan.group_id = "grp-" + request_hash[:32]
-            await self.svc.admission.check(kind="implicit_episode")
+            plan.charged = await self.svc.admission.reserve(req.n)
         plan.timings["plan_ms"] = _ms(started)
         return plan
 
@@ -561,6 +576,7 @@ class GenerationService:
         async with AsyncExitStack() as turn:
             await self._track(turn, session)
             plan = await self.plan_completion(req, session)
+            await self._planned(turn, plan)
             params = self._sampling(req, len(plan.prompt), req.logprobs or 0)
             runs = self._choices(req, "cmpl", False)
             await self._generate_all(plan, params, runs)
@@ -585,6 +601,7 @@ class GenerationService:
         try:
             await self._track(turn, session)
             plan = await self.plan_completion(req, session)
+            await self._planned(turn, plan)
             return await self._start_completion_stream(req, plan, turn)
         except BaseException:
             await turn.aclose()

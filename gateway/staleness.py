@@ -159,10 +159,13 @@ class StalenessControl:
         except SQLAlchemyError as exc:
             raise _unavailable(exc) from exc
 
-    async def admit(self, *, n: int = 1, is_eval: bool = False) -> None:
-        """Count ``n`` new sessions against the budget, or raise ``Overloaded`` (429) if they do not fit."""
-        if is_eval:
-            return
+    async def admit(self, *, n: int = 1, is_eval: bool = False) -> int:
+        """Count ``n`` new sessions against the budget, all or none, and return how many were counted
+        (0 for eval sessions and before any trainer registered); raise ``Overloaded`` (429) if they do not
+        fit now, or ``InvalidRequest`` (400) if they can never fit (more than ``(k + 1) x B x G``: a group
+        bigger than that would wait forever)."""
+        if is_eval or n <= 0:
+            return 0
         t = trainer_table
         limit = (t.c.staleness_bound + t.c.version - t.c.base_version + 1) * t.c.batch_size * t.c.group_size
         try:
@@ -171,14 +174,21 @@ class StalenessControl:
                     t.update().where(t.c.id == _ROW, t.c.admitted + n <= limit).values(admitted=t.c.admitted + n)
                 )
                 if done.rowcount:
-                    return
+                    return n
                 state = _state((await conn.execute(sa.select(t).where(t.c.id == _ROW))).first())
         except SQLAlchemyError as exc:
             raise _unavailable(exc) from exc
         if state is None:
-            return  # no trainer registered: nothing to stay within
+            return 0  # no trainer registered: nothing to stay within
+        window = (state.staleness_bound + 1) * state.batch_size * state.group_size
+        if n > window:
+            raise errors.InvalidRequest(
+                f"{n} sessions can never be admitted at once: the staleness budget holds at most {window} = "
+                f"(staleness_bound {state.staleness_bound} + 1) x batch {state.batch_size} groups x "
+                f"{state.group_size} sessions; use smaller groups or a larger trainer batch / bound",
+                code="group_too_large")
         raise errors.Overloaded(
-            f"staleness budget reached: {state.admitted} sessions admitted, limit {state.limit} = "
+            f"staleness budget reached: {state.admitted} sessions admitted, {n} more asked, limit {state.limit} = "
             f"(staleness_bound {state.staleness_bound} + version {state.version} - {state.base_version} + 1) x "
             f"batch {state.batch_size} groups x {state.group_size} sessions; retry after the trainer's next step",
             retry_after_s=self.retry_after_s,

@@ -119,6 +119,13 @@ class SessionCreate(WireModel):
     metadata: dict[str, Any] | None = None
 
 
+class GroupCreate(WireModel):
+    size: StrictInt = Field(ge=1)
+    group_id: str | None = Field(default=None, min_length=1, max_length=200)
+    task_id: str | None = Field(default=None, max_length=200)
+    metadata: dict[str, Any] | None = None
+
+
 class RewardRequest(WireModel):
     response_id: str | None = None
     session_id: str | None = None

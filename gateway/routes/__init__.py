@@ -16,6 +16,7 @@ ROUTER_MODULES: list[str] = [
     "gateway.routes.responses",
     "gateway.routes.messages",
     "gateway.routes.sessions",
+    "gateway.routes.groups",
     "gateway.routes.rewards",
     "gateway.routes.admin",
     "gateway.routes.health",

@@ -6,6 +6,7 @@ Public API: ``Store``, the records in ``gateway.store.api`` and the errors in ``
 from gateway.store.api import (
     SESSION_STATUSES,
     CommitStats,
+    GroupRecord,
     Interaction,
     ParentMatch,
     RewardRecord,
@@ -18,6 +19,7 @@ __all__ = [
     "SESSION_STATUSES",
     "CommitStats",
     "Conflict",
+    "GroupRecord",
     "Interaction",
     "InvalidValue",
     "NotFound",

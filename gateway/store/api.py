@@ -45,6 +45,7 @@ from gateway.store.records import (
     SESSION_STATUSES,
     CommitStats,
     FinishReason,
+    GroupRecord,
     Interaction,
     ParentMatch,
     RewardRecord,
@@ -57,6 +58,7 @@ from gateway.store.rows import (
     check_interaction,
     interaction_from_row,
     interaction_to_row,
+    group_from_row,
     reward_from_row,
     session_from_row,
 )
@@ -70,6 +72,7 @@ __all__ = [
     "SESSION_STATUSES",
     "CommitStats",
     "FinishReason",
+    "GroupRecord",
     "Interaction",
     "ParentMatch",
     "RewardRecord",
@@ -283,33 +286,107 @@ class Store:
         ``group_id`` defaults to the session id (a group of one). ``is_eval`` = ``metadata["eval"] is True``.
         ``session_id`` may be given (implicit episodes); a duplicate raises Conflict.
         """
-        metadata = dict(metadata or {})
-        sid = session_id or f"sess-{uuid.uuid4().hex}"
-        api_key = f"sk-agentrl-{secrets.token_urlsafe(32)}"
-        now = time.time()
-        row = {
-            "id": sid,
-            "key_hash": hash_key(api_key),
-            "group_id": group_id or sid,
-            "task_id": task_id,
-            "meta": metadata,
-            "status": "active",
-            "is_eval": metadata.get("eval") is True,
-            "reward": None,
-            "version": 0,
-            "created_at": now,
-            "finished_at": None,
-            "last_activity_at": now,
-        }
+        row, api_key = _new_session_row(group_id=group_id, task_id=task_id, metadata=metadata,
+                                        session_id=session_id)
         try:
             async with self._write_tx() as conn:
                 await conn.execute(sa.insert(schema.sessions).values(**row))
         except Conflict as exc:
-            raise Conflict(f"session {sid} already exists") from exc
-        record = session_from_row(row, api_key=api_key)
-        if self._redis is not None:
-            await self._redis.put_session(hash_key(api_key), session_from_row(row))
-        return record
+            raise Conflict(f"session {row['id']} already exists") from exc
+        return (await self._cache_new_sessions([(row, api_key)]))[0]
+
+    async def _cache_new_sessions(self, made: list[tuple[dict[str, Any], str]]) -> list[SessionRecord]:
+        """Put new sessions into the Redis cache; their records (with their plain api keys)."""
+        out = []
+        for row, api_key in made:
+            if self._redis is not None:
+                await self._redis.put_session(row["key_hash"], session_from_row(row))
+            out.append(session_from_row(row, api_key=api_key))
+        return out
+
+    # ---- groups (admitted as a whole; see gateway.groups) ----
+    async def create_group(
+        self, *, group_id: str | None, size: int, task_id: str | None = None, metadata: dict[str, Any] | None = None
+    ) -> tuple[GroupRecord, list[SessionRecord]]:
+        """A group and all ``size`` of its sessions, in one transaction. Conflict if the group id is taken
+        (by a group or by any session)."""
+        if size < 1:
+            raise InvalidValue(f"group size must be >= 1, got {size}")
+        gid = group_id or f"grp-{uuid.uuid4().hex}"
+        meta = dict(metadata or {})
+        g, s = schema.groups, schema.sessions
+        now = time.time()
+        group_row = {"id": gid, "size": size, "places": size, "created": size, "status": "open",
+                     "task_id": task_id, "meta": meta, "created_at": now}
+        made = [_new_session_row(group_id=gid, task_id=task_id, metadata={**meta, "group_size": size})
+                for _ in range(size)]
+        async with self._write_tx() as conn:
+            taken = (await conn.execute(sa.select(s.c.id).where(s.c.group_id == gid).limit(1))).first()
+            if taken is not None:
+                raise Conflict(f"group {gid} already exists")
+            try:
+                await conn.execute(sa.insert(g).values(**group_row))
+            except Conflict as exc:
+                raise Conflict(f"group {gid} already exists") from exc
+            await conn.execute(sa.insert(s), [row for row, _ in made])
+        return group_from_row(group_row), await self._cache_new_sessions(made)
+
+    async def join_group(
+        self, *, group_id: str, size: int, add_places: int = 0, task_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> SessionRecord | None:
+        """A new session in a free place of group ``group_id``, after adding ``add_places`` places (that
+        the caller charged to the budget; the group row is created with ``size`` if missing). None, and
+        nothing changed, when no place is free. Conflict when two callers create the same group at once."""
+        g, s = schema.groups, schema.sessions
+        row, api_key = _new_session_row(group_id=group_id, task_id=task_id, metadata=metadata)
+        async with self._write_tx() as conn:
+            query = sa.select(g).where(g.c.id == group_id)
+            if not self._is_sqlite:
+                query = query.with_for_update()
+            found = (await conn.execute(query)).mappings().first()
+            if found is None:
+                if not add_places:
+                    return None
+                group = {"id": group_id, "size": size, "places": 0, "created": 0, "status": "open",
+                         "task_id": task_id, "meta": dict(metadata or {}), "created_at": time.time()}
+                await conn.execute(sa.insert(g).values(**group))
+                current = group_from_row(group)
+            else:
+                current = group_from_row(found)
+            places = current.places + add_places
+            status = "open" if add_places else current.status
+            if status != "open" or current.created >= places:
+                return None
+            await conn.execute(sa.update(g).where(g.c.id == group_id)
+                               .values(places=places, status=status, created=current.created + 1))
+            await conn.execute(sa.insert(s).values(**row))
+        return (await self._cache_new_sessions([(row, api_key)]))[0]
+
+    async def get_groups(self, *, group_ids: Collection[str]) -> dict[str, GroupRecord]:
+        """The admitted groups among ``group_ids`` (ids without a group row are left out)."""
+        ids = list(set(group_ids))
+        if not ids:
+            return {}
+        g = schema.groups
+        async with self._read() as conn:
+            rows = (await conn.execute(sa.select(g).where(g.c.id.in_(ids)))).mappings().all()
+        return {row["id"]: group_from_row(row) for row in rows}
+
+    async def close_group(self, *, group_id: str, status: str) -> int:
+        """Move an open group to ``status`` (``closed`` or ``abandoned``) and return its unused places
+        (reserved, never created), which the caller gives back to the budget; 0 if it was not open."""
+        g = schema.groups
+        async with self._write_tx() as conn:
+            query = sa.select(g).where(g.c.id == group_id)
+            if not self._is_sqlite:
+                query = query.with_for_update()
+            found = (await conn.execute(query)).mappings().first()
+            if found is None or found["status"] != "open":
+                return 0
+            await conn.execute(sa.update(g).where(g.c.id == group_id)
+                               .values(status=status, places=found["created"]))
+        return int(found["places"] - found["created"])
 
     async def get_session(self, *, session_id: str) -> SessionRecord:
         """The session as stored in SQL (authoritative). NotFound if unknown."""
@@ -430,14 +507,19 @@ class Store:
         status: str | Collection[str] | None = None,
         group_id: str | None = None,
         limit: int | None = None,
+        after: tuple[float, str] | None = None,
     ) -> list[SessionRecord]:
-        """Sessions filtered by status (one or several) and group, oldest first."""
+        """Sessions filtered by status (one or several) and group, oldest first (by ``created_at``, then
+        id); ``after`` = the ``(created_at, id)`` of the last session of the previous page (keyset)."""
         s = schema.sessions
         query = sa.select(s).order_by(s.c.created_at, s.c.id)
         if status is not None:
             query = query.where(s.c.status.in_([status] if isinstance(status, str) else list(status)))
         if group_id is not None:
             query = query.where(s.c.group_id == group_id)
+        if after is not None:
+            query = query.where(sa.or_(s.c.created_at > after[0],
+                                       sa.and_(s.c.created_at == after[0], s.c.id > after[1])))
         if limit is not None:
             query = query.limit(limit)
         async with self._read() as conn:
@@ -733,6 +815,20 @@ def _sqlite_begin_immediate(conn: Any) -> None:
 async def _dispose(*engines: AsyncEngine) -> None:
     for engine in {id(e): e for e in engines}.values():
         await engine.dispose()
+
+
+def _new_session_row(
+    *, group_id: str | None, task_id: str | None, metadata: dict[str, Any] | None, session_id: str | None = None
+) -> tuple[dict[str, Any], str]:
+    """The SQL row of a new active session, and its plain api key (only its hash is stored)."""
+    metadata = dict(metadata or {})
+    sid = session_id or f"sess-{uuid.uuid4().hex}"
+    api_key = f"sk-agentrl-{secrets.token_urlsafe(32)}"
+    now = time.time()
+    row = {"id": sid, "key_hash": hash_key(api_key), "group_id": group_id or sid, "task_id": task_id,
+           "meta": metadata, "status": "active", "is_eval": metadata.get("eval") is True, "reward": None,
+           "version": 0, "created_at": now, "finished_at": None, "last_activity_at": now}
+    return row, api_key
 
 
 def _status_change(row: Mapping[Any, Any], status: str) -> dict[str, Any]:

@@ -30,6 +30,29 @@ class SessionRecord:
     version: int = 0  # bumped on every status/reward change; keeps Redis copies from going backwards
 
 
+@dataclass(slots=True, kw_only=True, frozen=True)
+class GroupRecord:
+    """A GRPO group admitted as a whole. ``places`` sessions were charged to the staleness budget and
+    ``created`` of them exist (``POST /v1/groups`` creates them all at once; sessions created one by one
+    with a group id fill places reserved when the group's first session came). ``status``: ``open``
+    (places may still be filled), ``closed`` (sent or timed out: unused places were given back) or
+    ``abandoned``."""
+
+    id: str
+    size: int  # sessions per GRPO group
+    places: int
+    created: int
+    status: str
+    task_id: str | None
+    metadata: dict[str, Any]
+    created_at: float
+
+    @property
+    def sealed(self) -> bool:
+        """No further session can join: every reserved place is used, or the group is no longer open."""
+        return self.status != "open" or self.created >= self.places
+
+
 @dataclass(slots=True, kw_only=True)
 class Interaction:
     """One turn. ``id`` is the response id (``chatcmpl-<hex>``); with ``n>1`` each choice is its own turn.

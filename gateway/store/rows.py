@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.store.records import Interaction, RewardRecord, SessionRecord
+from gateway.store.records import GroupRecord, Interaction, RewardRecord, SessionRecord
 from gateway.store.errors import InvalidValue
 from gateway.store.packing import pack_f32, pack_i32, unpack_f32, unpack_i32
 
@@ -25,6 +25,12 @@ def session_from_row(row: Mapping[Any, Any], *, api_key: str | None = None) -> S
         reward=row["reward"],
         version=row["version"],
     )
+
+
+def group_from_row(row: Mapping[Any, Any]) -> GroupRecord:
+    return GroupRecord(id=row["id"], size=row["size"], places=row["places"], created=row["created"],
+                       status=row["status"], task_id=row["task_id"], metadata=row["meta"],
+                       created_at=row["created_at"])
 
 
 def check_interaction(it: Interaction) -> None:

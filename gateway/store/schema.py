@@ -69,3 +69,18 @@ reward_events = sa.Table(
     sa.Index("ix_reward_events_session", "session_id"),
     sa.Index("ix_reward_events_interaction", "interaction_id"),
 )
+
+# GRPO groups admitted as a whole (``POST /v1/groups``, or the first session of a group id): ``places``
+# sessions were charged to the staleness budget, ``created`` of them exist. Alembic ``0004_groups``.
+groups = sa.Table(
+    "session_groups",
+    metadata,
+    sa.Column("id", sa.String(255), primary_key=True),
+    sa.Column("size", sa.Integer, nullable=False),
+    sa.Column("places", sa.Integer, nullable=False),
+    sa.Column("created", sa.Integer, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("task_id", sa.String(255), nullable=True),
+    sa.Column("metadata", sa.JSON, nullable=False, key="meta"),
+    sa.Column("created_at", sa.Float, nullable=False),
+)

@@ -105,16 +105,16 @@ async def test_eval_sessions_are_never_exported_and_never_counted(service):
     await service.configure_trainer(version=0, batch_size=1, staleness_bound=0)  # limit 2 sessions
     admission = StalenessAdmission(service)
     for _ in range(3):
-        await admission.check(kind="session", metadata={"eval": True})
+        assert await admission.reserve(1, metadata={"eval": True}) == 0
     ev = await session_with_turns(store, None, metadata={"eval": True})
     await store.finish_session(session_id=ev.id)
     await service.tick()
     assert (await store.get_session(session_id=ev.id)).status == "finished"
     assert (await service.queue.counts()).ready == 0
-    await admission.check(kind="session")
-    await admission.check(kind="implicit_episode")
+    assert await admission.reserve(1) == 1
+    assert await admission.reserve(1, metadata={}) == 1
     with pytest.raises(errors.Overloaded):
-        await admission.check(kind="session", metadata={})
+        await admission.reserve(1, metadata={})
 
 
 async def test_group_size_from_metadata_and_retry_dropped(service):
@@ -137,15 +137,15 @@ async def test_staleness_releases_budget_of_abandoned_sessions(service):
     store = service.store
     await service.configure_trainer(version=0, batch_size=1, staleness_bound=0)
     admission = StalenessAdmission(service)
-    await admission.check(kind="session")
+    await admission.reserve(1)
     await store.create_session(group_id="x")
-    await admission.check(kind="session")
+    await admission.reserve(1)
     await store.create_session(group_id="x")
     with pytest.raises(errors.Overloaded):
-        await admission.check(kind="session")
+        await admission.reserve(1)
     await service.tick(now=time.time() + 601)  # both abandoned at the group timeout
     assert (await service.staleness.state()).admitted == 0
-    await admission.check(kind="session")
+    await admission.reserve(1)
 
 
 async def test_lease_waits_without_blocking_the_loop(service):

@@ -1,0 +1,228 @@
+"""Groups admitted as a whole, abandonment, session listing, and a staleness budget that cannot leak.
+
+In-process gateway (``httpx.ASGITransport``) over the scripted stand-in engine, a real SQLite store, the
+real lifecycle loop and the real ``openai`` SDK (see ``test_openai_inprocess``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import pytest
+
+from tests.gateway.test_openai_inprocess import ADMIN, AGENT, Gw, make_gw, tokenizer  # noqa: F401 (fixtures)
+
+HI = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(autouse=True)
+def fast_lifecycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTRL_GATEWAY_TICK_S", "0.05")
+    monkeypatch.setenv("AGENTRL_GATEWAY_GROUP_SIZE", "4")
+    monkeypatch.setenv("AGENTRL_GATEWAY_RETRY_AFTER_S", "1")
+
+
+async def admin_get(gw: Gw, path: str, **params: Any) -> Any:
+    resp = await gw.http.get(path, params=params, headers={"Authorization": f"Bearer {ADMIN}"})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+async def trainer(gw: Gw, version: int, batch_size: int = 1, bound: int = 0) -> dict[str, Any]:
+    resp = await gw.post("/admin/trainer", {"version": version, "batch_size": batch_size, "staleness_bound": bound},
+                         key=ADMIN)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["trainer"]  # type: ignore[no-any-return]
+
+
+async def admitted(gw: Gw) -> int:
+    state = await gw.app.state.trajectories.staleness.state()
+    return int(state.admitted)
+
+
+async def test_group_is_created_whole_listed_and_abandoned(make_gw: Any) -> None:
+    async with make_gw(["4"]) as gw:
+        await trainer(gw, 0, batch_size=2)  # limit (0 + 0 + 1) x 2 x 4 = 8 sessions
+        resp = await gw.post("/v1/groups", {"size": 3, "task_id": "t-1", "metadata": {"k": 1}}, key=ADMIN)
+        assert resp.status_code == 200, resp.text
+        group = resp.json()
+        assert group["size"] == 3 and len(group["sessions"]) == 3
+        assert await admitted(gw) == 3
+        for s in group["sessions"]:
+            assert s["base_url"].endswith(f"/sessions/{s['session_id']}/v1") and s["api_key"].startswith("sk-")
+        gid = group["group_id"]
+        got = await admin_get(gw, f"/v1/groups/{gid}")
+        assert got["status"] == "active" and got["size"] == 3
+        assert [s["session_id"] for s in got["sessions"]] == [s["session_id"] for s in group["sessions"]]
+
+        # The session keys work with the OpenAI SDK.
+        first, second, third = group["sessions"]
+        client = gw.sdk(key=first["api_key"])
+        reply = await client.chat.completions.create(model="m", messages=HI, max_tokens=8)
+        assert (await gw.post("/reward", {"response_id": reply.id, "reward": 1.0}, key=ADMIN)).status_code == 200
+
+        # Abandoning a session gives its place back; doing it twice changes nothing.
+        for _ in range(2):
+            resp = await gw.post(f"/v1/sessions/{second['session_id']}/abandon", key=ADMIN)
+            assert resp.status_code == 200 and resp.json()["status"] == "abandoned"
+        assert await admitted(gw) == 2
+        assert (await gw.post(f"/v1/sessions/{second['session_id']}/abandon", key=AGENT)).status_code == 403
+
+        # Keyset pagination over every session, then filtered.
+        seen, cursor = [], None
+        while True:
+            page = await admin_get(gw, "/v1/sessions", limit=2, **({"cursor": cursor} if cursor else {}))
+            seen += [s["id"] for s in page["data"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == [s["session_id"] for s in group["sessions"]]
+        page = await admin_get(gw, "/v1/sessions", status="abandoned", group_id=gid)
+        assert [s["id"] for s in page["data"]] == [second["session_id"]] and page["next_cursor"] is None
+        bad = await gw.http.get("/v1/sessions", params={"cursor": "nonsense"}, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cursor"
+        bad = await gw.http.get("/v1/sessions", params={"status": "gone"}, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert bad.status_code == 400
+
+        # Finishing the first and abandoning the third sends the group at once (no group timeout).
+        assert (await gw.post(f"/v1/sessions/{first['session_id']}/finish", key=ADMIN)).status_code == 200
+        assert (await gw.post(f"/v1/sessions/{third['session_id']}/abandon", key=ADMIN)).status_code == 200
+        resp = await gw.http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 5},
+                                 headers={"Authorization": f"Bearer {ADMIN}"})
+        assert resp.status_code == 200
+        got = await admin_get(gw, f"/v1/groups/{gid}")
+        assert got["status"] == "exported"
+        assert {s["session_id"]: s["status"] for s in got["sessions"]}[first["session_id"]] == "consumed"
+        resp = await gw.post(f"/v1/sessions/{first['session_id']}/abandon", key=ADMIN)
+        assert resp.status_code == 409
+
+        # A second group, abandoned as a whole: all its places come back.
+        before = await admitted(gw)
+        resp = await gw.post("/v1/groups", {"size": 4, "group_id": "whole"}, key=ADMIN)
+        assert resp.status_code == 200 and await admitted(gw) == before + 4
+        assert (await gw.post("/v1/groups", {"size": 1, "group_id": "whole"}, key=ADMIN)).status_code == 409
+        assert await admitted(gw) == before + 4
+        resp = await gw.post("/v1/groups/whole/abandon", key=ADMIN)
+        assert resp.status_code == 200 and resp.json()["status"] == "abandoned"
+        assert {s["status"] for s in resp.json()["sessions"]} == {"abandoned"}
+        assert await admitted(gw) == before
+        assert (await gw.post("/v1/groups/nope/abandon", key=ADMIN)).status_code == 404
+        assert (await gw.http.get("/v1/groups/nope", headers={"Authorization": f"Bearer {ADMIN}"})).status_code == 404
+
+
+async def test_group_over_budget_is_429_with_nothing_created(make_gw: Any) -> None:
+    async with make_gw(["4"]) as gw:
+        await trainer(gw, 0)  # limit 4 sessions
+        assert (await gw.post("/v1/groups", {"size": 3}, key=ADMIN)).status_code == 200
+        resp = await gw.post("/v1/groups", {"size": 2}, key=ADMIN)
+        assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+        assert resp.json()["error"]["code"] == "staleness_budget"
+        assert len((await admin_get(gw, "/v1/sessions"))["data"]) == 3 and await admitted(gw) == 3
+        # A group that could never fit is a 400, not an endless 429.
+        resp = await gw.post("/v1/groups", {"size": 5}, key=ADMIN)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "group_too_large"
+        for body in ({"size": 0}, {"size": "4"}, {}, {"size": 2, "metadata": []}):
+            assert (await gw.post("/v1/groups", body, key=ADMIN)).status_code == 400, body
+        # Eval groups are never charged.
+        assert (await gw.post("/v1/groups", {"size": 4, "metadata": {"eval": True}}, key=ADMIN)).status_code == 200
+        assert await admitted(gw) == 3
+
+
+async def test_failing_requests_leave_the_budget_where_it_was(make_gw: Any) -> None:
+    """Implicit episodes are charged one session per choice and given back on every failure path."""
+    async with make_gw(["4"]) as gw:
+        await trainer(gw, 0, batch_size=4)  # limit 16 sessions
+        implicit = gw.sdk(key=AGENT)
+        reply = await implicit.chat.completions.create(model="m", messages=HI, max_tokens=4, n=2)
+        assert len(reply.choices) == 2 and await admitted(gw) == 2  # n choices = n sessions
+        long = [{"role": "user", "content": "word " * 3000}]  # over the stand-in's 2048-token context
+        gw.engine.down = True
+        for i in range(100):
+            with pytest.raises(openai.APIError):
+                if i % 4 == 0:
+                    await implicit.chat.completions.create(model="m", messages=HI, max_tokens=4, n=3)
+                elif i % 4 == 1:
+                    stream = await implicit.chat.completions.create(model="m", messages=HI, max_tokens=4, n=2,
+                                                                    stream=True)
+                    async for _ in stream:
+                        pass
+                elif i % 4 == 2:
+                    await implicit.chat.completions.create(model="m", messages=long, max_tokens=4)
+                else:
+                    await implicit.completions.create(model="m", prompt="1 + 1 =", max_tokens=4, n=2)
+        assert await admitted(gw) == 2
+        gw.engine.down = False
+        await gw.svc.router.check_health()  # back in rotation
+        # Budget still usable to the limit: 14 more sessions, then 429.
+        for _ in range(7):
+            await implicit.chat.completions.create(model="m", messages=HI, max_tokens=4, n=2)
+        with pytest.raises(openai.RateLimitError):
+            await implicit.chat.completions.create(model="m", messages=HI, max_tokens=4)
+        assert await admitted(gw) == 16
+
+
+async def _episode(gw: Gw, session: dict[str, Any], reward: float) -> None:
+    client = gw.sdk(key=session["api_key"])
+    reply = await client.chat.completions.create(model="m", messages=HI, max_tokens=8)
+    resp = await gw.post("/reward", {"response_id": reply.id, "reward": reward}, key=ADMIN)
+    assert resp.status_code == 200, resp.text
+    assert (await gw.post(f"/v1/sessions/{session['session_id']}/finish", key=ADMIN)).status_code == 200
+
+
+async def _retrying(gw: Gw, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    while True:
+        resp = await gw.post(path, body, key=ADMIN)
+        if resp.status_code != 429:
+            assert resp.status_code == 200, resp.text
+            return resp.json()  # type: ignore[no-any-return]
+        await asyncio.sleep(0.05)  # Retry-After says 1 s; the test polls faster
+
+
+async def _trainer_loop(gw: Gw, groups: int) -> list[str]:
+    """Lease one group at a time, ack it, push (pause, resume at the next version), tell the gateway."""
+    got: list[str] = []
+    version = 0
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    while len(got) < groups:
+        resp = await gw.http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 2}, headers=headers)
+        if resp.status_code == 204:
+            continue
+        assert resp.status_code == 200, resp.text
+        from agentrl.trajectory import decode_batch
+
+        rows, meta = decode_batch(resp.content)
+        got += [g["group_id"] for g in meta["groups"]]
+        assert (await gw.post("/v1/trajectories/ack", {"lease_id": meta["lease_id"]}, key=ADMIN)).status_code == 200
+        version += 1  # a weight push: engines tag new tokens with the new version, then the trainer says so
+        assert (await gw.post("/admin/pause", {}, key=ADMIN)).status_code == 200
+        assert (await gw.post("/admin/resume", {"weight_version": version}, key=ADMIN)).status_code == 200
+        await trainer(gw, version)
+    return got
+
+
+@pytest.mark.parametrize("how", ["groups", "sessions"])
+async def test_six_groups_of_four_against_one_groups_budget_all_complete(make_gw: Any, how: str) -> None:
+    """Issue 13's deadlock: six groups of four start at once, each creating its sessions (one by one, or as
+    one group), against a staleness budget of four sessions. Every group completes and is trained."""
+    async with make_gw(["4"]) as gw:
+        await trainer(gw, 0)  # (k 0 + v 0 + 1) x batch 1 x 4 = 4 sessions
+
+        async def agent(g: int) -> str:
+            gid = f"task-{g}"
+            if how == "groups":
+                sessions = (await _retrying(gw, "/v1/groups", {"size": 4, "group_id": gid}))["sessions"]
+            else:
+                sessions = []
+                for _ in range(4):
+                    sessions.append(await _retrying(gw, "/v1/sessions", {"group_id": gid}))
+                    await asyncio.sleep(0)  # let the other groups race for the budget in between
+            await asyncio.gather(*(_episode(gw, s, reward=float(i % 2)) for i, s in enumerate(sessions)))
+            return gid
+
+        done, trained = await asyncio.wait_for(
+            asyncio.gather(asyncio.gather(*(agent(g) for g in range(6))), _trainer_loop(gw, 6)), timeout=120)
+        assert sorted(done) == sorted(trained) == [f"task-{g}" for g in range(6)]
+        for g in range(6):
+            got = await admin_get(gw, f"/v1/groups/task-{g}")
+            assert got["status"] == "exported" and len(got["sessions"]) == 4
