@@ -507,12 +507,13 @@ async def test_turn_in_flight_keeps_its_session_from_idle_finish(make_gw: Any) -
     and only then the session finishes."""
     async with make_gw(["slow answer"], idle_timeout_s=0.05, tick_s=0.05) as gw:
         sess = await gw.session(group_id="g-slow")
-        await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
         gw.engine.gate = asyncio.Event()
         turn = asyncio.ensure_future(gw.sdk(key=sess["api_key"]).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=8))
         while gw.engine.generate_calls == 0:
             await asyncio.sleep(0.01)
+        # Rewarded once its turn is in flight (before, the 0.05 s idle timeout may finish it first).
+        await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
         await asyncio.sleep(0.3)  # several loop ticks with the session idle past the timeout
         await gw.app.state.trajectories.tick(now=time.time() + 3600)
         assert await _status(gw, sess["session_id"]) == "active"
@@ -527,7 +528,6 @@ async def test_turn_in_flight_keeps_its_session_from_idle_finish(make_gw: Any) -
 async def test_streamed_turn_held_by_a_pause_keeps_its_session_in_flight(make_gw: Any) -> None:
     async with make_gw(["held answer"], idle_timeout_s=0.05, tick_s=0.05) as gw:
         sess = await gw.session(group_id="g-held")
-        await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
         assert (await gw.post("/admin/pause", {}, key=ADMIN)).json()["paused"] is True
 
         async def consume() -> str:
@@ -541,6 +541,9 @@ async def test_streamed_turn_held_by_a_pause_keeps_its_session_in_flight(make_gw
                 while not await gw.app.state.inflight.busy([sess["session_id"]]):
                     assert not turn.done(), turn.result()
                     await asyncio.sleep(0.01)
+            # Rewarded only now: before its turn was in flight, the 0.05 s idle timeout could finish it
+            # first (a race that decided the test by how long the lifecycle's first tick took).
+            await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
             await asyncio.sleep(0.3)
             await gw.app.state.trajectories.tick(now=time.time() + 3600)
             assert await _status(gw, sess["session_id"]) == "active"
