@@ -44,6 +44,8 @@ class TrainerSettings:
     mini_batches: int = field(default=1, metadata=_h("optimizer steps per leased batch (the batch is split by group)"))
     micro_batch_tokens: int = field(default=8192, metadata=_h("token budget of one forward/backward pass (rows x padded length); must hold the longest row"))
     max_seq_len: int = field(default=0, metadata=_h("longest row the agents can produce, if known (checked against micro_batch_tokens at start; 0 = check per batch only)"))
+    packing: bool = field(default=True, metadata=_h("pack each micro-batch's rows without padding (attention kept inside each row) and compute logprobs only at loss positions, in chunks; off = the padded full-logits path"))
+    compile: bool = field(default=False, metadata=_h("torch.compile the decoder layers' MLPs and norms (pays on GPUs; the first steps compile)"))
     adv_estimator: str = field(default="grpo", metadata=_h("advantage estimator", choices=ADV_ESTIMATORS))
     loss_agg_mode: str = field(default="token-mean", metadata=_h("loss aggregation", choices=LOSS_AGG_MODES))
     clip_low: float = field(default=0.2, metadata=_h("PPO ratio clipped below at 1 - clip_low"))

@@ -30,7 +30,7 @@ from trainer import checkpoint
 from agentrl.settings import SettingsError
 from trainer.config import TrainerSettings
 from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, describe_batch, drop_duplicates
-from trainer.model import DistInfo, init_distributed, load_model
+from trainer.model import DistInfo, build_optimizer, init_distributed, load_model
 from trainer.step import train_step
 from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, broadcast_object,
                                  push_weights)
@@ -51,8 +51,8 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
     torch.manual_seed(settings.seed)
     model_dir = resolve_model(settings.model)
     resume_from = checkpoint.latest(settings.checkpoint_dir) if settings.resume else None
-    model = load_model(resume_from or model_dir, dtype=settings.dtype, device=info.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    model = load_model(resume_from or model_dir, dtype=settings.dtype, device=info.device, compile=settings.compile)
+    optimizer = build_optimizer(model, settings, info.device)
     state = checkpoint.TrainerState()
     if resume_from is not None:
         checkpoint.load_optimizer(resume_from, model, optimizer)

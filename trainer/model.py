@@ -57,23 +57,45 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), device, backend)
 
 
-def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device | None = None) -> torch.nn.Module:
+def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device | None = None,
+               compile: bool = False) -> torch.nn.Module:
     """Load a Hugging Face causal LM and shard it with FSDP2 over the default process group.
 
     Parameters (and optimizer state) stay float32; ``dtype="bfloat16"`` computes in bfloat16 through FSDP2's
-    mixed-precision policy (gradients reduced in float32), which is the usual setting on GPUs.
+    mixed-precision policy (gradients reduced in float32), which is the usual setting on GPUs. ``compile``:
+    :func:`compile_body`. The model gets the packed logprob method of :mod:`trainer.packing`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from trainer.packing import install, register_attention
+
     served = getattr(AutoConfig.from_pretrained(str(path)), "dtype", None)  # what the engines load
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    # packed attention: per-row causal SDPA over packed rows, plain causal SDPA over right-padded ones
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation=register_attention())
     if served is not None:
         model.config.dtype = served  # saved directories keep declaring it; pushes cast to it
     if device is not None and device.type == "cuda":
         model = model.to(device)
     model.config.use_cache = False
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    return shard(model, compute_dtype=compute)
+    model = shard(model, compute_dtype=compute)
+    if compile:
+        compile_body(model)
+    return install(model)
+
+
+def compile_body(model: torch.nn.Module) -> None:
+    """``torch.compile`` each decoder layer's attention block, MLP and norms, with dynamic shapes.
+
+    The FSDP2 units (whole layers) keep their hooks eager; only their children are compiled, so a new
+    micro-batch shape does not recompile (dynamic=True) and FSDP's all-gathers stay outside the graphs.
+    """
+    for layer in model.model.layers:
+        for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+            part = getattr(layer, name, None)
+            if part is not None:
+                part.compile(dynamic=True)
+    model.model.norm.compile(dynamic=True)
 
 
 def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -82,9 +104,11 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    # One rank has nothing to free by resharding after forward: keep the gathered (cast) weights for backward.
+    reshard = dist.get_world_size() > 1 if dist.is_initialized() else True
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
     return model
 
 
@@ -97,6 +121,12 @@ def token_logprobs(
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = token_entropy(logits.detach()) if with_entropy else None
     return logp, entropy
+
+
+def build_optimizer(model: torch.nn.Module, settings, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over the (sharded, float32) parameters; the fused kernel on GPUs (one launch per step)."""
+    return torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+                             fused=device.type == "cuda")
 
 
 def tied_duplicates(model: torch.nn.Module) -> set[str]:

@@ -23,6 +23,7 @@ from trainer.config import TrainerSettings, check_row_fits
 from trainer.data import (MicroBatch, collate, dummy_micro_batch, index_of, pack_micro_batches, row_rewards,
                           shard_rows, split_by_group)
 from trainer.model import DistInfo, token_logprobs
+from trainer.packing import packed_logprobs
 
 _SUM_KEYS = ("tokens", "clipped", "capped", "is_weight_sum", "ratio_sum", "entropy_sum", "gap_sum",
              "gap_same_sum", "same_tokens", "loss", "input_tokens")
@@ -56,11 +57,22 @@ def plan_micro_batches(rows: Sequence[Row], index: Sequence[int], adv: torch.Ten
     return [m.to(info.device) for m in micro]
 
 
+def micro_logprobs(model: torch.nn.Module, m: MicroBatch, *, packing: bool = True,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T-1) logprobs (and entropy) of a micro-batch: packed and only at loss positions, or the full padded way.
+
+    Both give the same numbers where the loss mask is 1 (the packed path leaves 0 elsewhere).
+    """
+    if packing:
+        return packed_logprobs(model, m.input_ids, m.attention_mask, m.loss_mask, with_entropy=with_entropy)
+    return token_logprobs(model, m.input_ids, m.attention_mask, with_entropy=with_entropy)
+
+
 @torch.no_grad()
-def recompute_proximal(model: torch.nn.Module, micro: Sequence[MicroBatch]) -> None:
+def recompute_proximal(model: torch.nn.Module, micro: Sequence[MicroBatch], packing: bool = True) -> None:
     """Fill ``m.prox`` with logprobs under the current weights (before this step's update)."""
     for m in micro:
-        m.prox, _ = token_logprobs(model, m.input_ids, m.attention_mask)
+        m.prox, _ = micro_logprobs(model, m, packing=packing)
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: Sequence[Row],
@@ -76,7 +88,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: S
     # The first mini-batch trains on the weights the proximal policy is defined by, so its proximal
     # logprobs are the (detached) logprobs of its own training forward: one forward pass fewer per step.
     for micro in plans[1:]:
-        recompute_proximal(model, micro)
+        recompute_proximal(model, micro, settings.packing)
 
     sums = {k: torch.zeros((), dtype=torch.float64, device=info.device) for k in _SUM_KEYS}
     maxes = {k: torch.zeros((), dtype=torch.float64, device=info.device) for k in _MAX_KEYS}
@@ -85,7 +97,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: S
         global_tokens = float(sum(float(rows[i].loss_mask[1:].sum()) for i in idx))
         optimizer.zero_grad(set_to_none=True)
         for m in micro:
-            logp, entropy = token_logprobs(model, m.input_ids, m.attention_mask, with_entropy=True)
+            logp, entropy = micro_logprobs(model, m, packing=settings.packing, with_entropy=True)
             if k == 0:
                 m.prox = logp.detach()
             loss, stats = core_algos.ppo_loss(
