@@ -60,6 +60,7 @@ class UpSettings:
     redis: str = field(default="", metadata={"help": "Redis URL for the gateway (default none)"})
     engine_url: str = field(default="", metadata={"help": "use this SGLang/embedded engine instead of starting one"})
     device: str = field(default="cpu", metadata={"help": "device of the embedded engine and trainer", "choices": ("cpu", "cuda")})
+    engine_max_running: int = field(default=64, metadata={"help": "the embedded engine's --max-running-requests (decode batch); on a GPU raise it with --concurrency, e.g. 128"})
     sync_mode: str = field(default="disk", metadata={"help": "weight sync: disk or broadcast", "choices": ("disk", "broadcast")})
     step_timeout_s: float = field(default=900.0, metadata={"help": "give up when one step takes longer than this"})
 
@@ -137,7 +138,8 @@ def up(settings: UpSettings) -> dict[str, Any]:
                 port = _free_port()
                 say(f"starting engine ({settings.model}) on :{port}")
                 engine = procs.start_agentrl("engine", ["engine", "--model", settings.model, "--port", str(port),
-                                                        "--device", settings.device])
+                                                        "--device", settings.device,
+                                                        "--max-running-requests", str(settings.engine_max_running)])
                 engine_url = f"http://127.0.0.1:{port}"
                 procs.wait_healthy(engine, engine_url + "/health", timeout_s=600)
             gport = _free_port()
@@ -256,8 +258,9 @@ def _write_results(settings: UpSettings, out: Path, steps: list[dict[str, Any]],
                        custom=":" in settings.agent)
     summary = {
         "model": settings.model, "dataset": settings.dataset, "steps": len(steps),
-        "eval_before": {k: evals["before"].get(k) for k in ("accuracy_turn1", "accuracy_final", "mean_reward")},
-        "eval_after": {k: evals["after"].get(k) for k in ("accuracy_turn1", "accuracy_final", "mean_reward")},
+        "eval_before": _eval_summary(evals["before"], settings.eval_limit),
+        "eval_after": _eval_summary(evals["after"], settings.eval_limit),
+        "device": settings.device,
         "first_step_reward": steps[0]["mean_reward"], "last_step_reward": steps[-1]["mean_reward"],
         "per_step": steps, "reward_curve": str(png),
         "checkpoint": str(checkpoints[-1].parent) if checkpoints else None,
@@ -265,6 +268,27 @@ def _write_results(settings: UpSettings, out: Path, steps: list[dict[str, Any]],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion (``successes`` of ``n``); (0, 1) when n is 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
+    return round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)
+
+
+def _eval_summary(result: dict[str, Any], limit: int) -> dict[str, Any]:
+    """Accuracies of one held-out evaluation, each with its 95% Wilson interval over the prompts evaluated."""
+    n = int(result.get("episodes") or limit)
+    out: dict[str, Any] = {k: result.get(k) for k in ("accuracy_turn1", "accuracy_final", "mean_reward")}
+    out["prompts"] = n
+    for key in ("accuracy_turn1", "accuracy_final"):
+        if out.get(key) is not None:
+            out[key + "_ci95"] = list(wilson_interval(float(out[key]) * n, n))
+    return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:

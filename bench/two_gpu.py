@@ -427,21 +427,27 @@ def run_push(args: argparse.Namespace, path: Path, log_dir: Path) -> tuple[list[
         control = DirectControl([url], client=client)
         version = 0
 
+        paused: list[float] = []
+
         def pushes(transport, count: int) -> list[float]:
             nonlocal version
             seconds = []
+            paused.clear()
             for _ in range(count):
                 version += 1
-                seconds.append(push_weights(model, version, info=info, transport=transport, control=control,
-                                            retries=1).seconds)
+                result = push_weights(model, version, info=info, transport=transport, control=control, retries=1)
+                seconds.append(result.seconds)
+                paused.append(result.paused_s)
             return seconds
 
         sync_root = Path(args.sync_dir or ("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()))
         disk = DiskSync(sync_dir=sync_root / f"agentrl-two-gpu-{os.getpid()}", source_dir=path, client=client)
         perturb(model, seed=1, scale=args.noise)
         disk_s = pushes(disk, args.pushes)
-        rows.append({"mode": f"disk ({sync_root}), median of {len(disk_s)}", "seconds": statistics.median(disk_s),
+        rows.append({"mode": f"disk ({sync_root}), total, median of {len(disk_s)}", "seconds": statistics.median(disk_s),
                      "bytes": nbytes, "all": disk_s})
+        rows.append({"mode": f"disk ({sync_root}), generation paused (staged before the pause), median of {len(paused)}",
+                     "seconds": statistics.median(paused), "bytes": nbytes, "all": list(paused)})
         ref.load(model)
         found, before = check_engine(url, ref, version, before, f"after disk pushes (v{version})", tol, args.gen_tokens)
         checks += found

@@ -97,7 +97,8 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
             if transport is not None:
                 pushed = push_weights(model, state.version + 1, info=info, transport=transport, control=control,
                                       retries=settings.sync_retries)
-                metrics.update({"sync/seconds": pushed.seconds, "sync/gb_per_s": pushed.gb_per_s,
+                metrics.update({"sync/seconds": pushed.seconds, "sync/paused_s": pushed.paused_s,
+                                "sync/gb_per_s": pushed.gb_per_s,
                                 "sync/attempts": pushed.attempts})
         state.version += 1
         state.step += 1

@@ -3,7 +3,8 @@
 Two transports, one wrapper:
 
 * :class:`DiskSync`: rank 0 writes a Hugging Face directory (safetensors + config + tokenizer) under
-  ``sync_dir/v<version>`` and every engine loads it with ``POST /update_weights_from_disk``.
+  ``sync_dir/v<version>`` **before** generation is paused, then every engine loads it at once with
+  ``POST /update_weights_from_disk``: generation is paused only for the loads (``PushResult.paused_s``).
 * :class:`BroadcastSync`: rank 0 forms a process group with the engines once (``POST
   /init_weights_update_group`` on each engine while the trainer joins as rank 0, see
   :mod:`agentrl.weight_group`), then sends the weights in buckets: for each bucket, ``POST
@@ -221,14 +222,22 @@ class DiskSync:
 
     def send(self, engines: list[str], version: int, staged: Path | None, updated: list[str], *,
              flush_cache: bool = True) -> None:
-        """Rank 0 only. Appends each engine that took the update to ``updated``."""
-        for url in engines:
-            if url in updated:
-                continue
+        """Rank 0 only. All engines load at once; appends each engine that took the update to ``updated``."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [url for url in engines if url not in updated]
+
+        def load(url: str) -> None:
             _post(self.client, f"{url}/update_weights_from_disk",
                   {"model_path": str(staged), "weight_version": str(version), "flush_cache": flush_cache},
                   timeout=600.0)
             updated.append(url)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
+            errors = [f.exception() for f in [pool.submit(load, url) for url in todo]]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
 
     def committed(self, staged: Path | None) -> None:
         if staged is None:
@@ -384,9 +393,10 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
 @dataclass
 class PushResult:
     version: int
-    seconds: float
+    seconds: float  # the whole push: staging, pause, update, resume
     bytes: int
     attempts: int
+    paused_s: float = 0.0  # of which generation was paused (disk mode stages before pausing)
 
     @property
     def gb_per_s(self) -> float:
@@ -403,6 +413,10 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
     start = time.perf_counter()
     engines: list[str] = []
     error: str | None = None
+    staged = None
+    if isinstance(transport, DiskSync):  # gather, cast and write while the engines still generate
+        staged = transport.stage(model, version, info)
+    paused_at = time.perf_counter()
     if info.is_main:
         try:
             engines = control.engines()
@@ -415,11 +429,8 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
 
     attempts = 0
     updated: list[str] = []
-    staged = None
     flush = getattr(control, "flush_with_update", True)
     try:
-        if isinstance(transport, DiskSync):
-            staged = transport.stage(model, version, info)
         for attempts in range(1, retries + 1):
             if isinstance(transport, BroadcastSync):
                 error = transport.send_all(model, engines, version, info, flush_cache=flush)
@@ -443,6 +454,7 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
                 control.resume(version if error is None else version - 1)
             except WeightSyncError as exc:
                 error = error or f"weights pushed but generation could not be resumed: {exc}"
+        paused_s = time.perf_counter() - paused_at
         error = broadcast_object(error, info)
     if error is not None:
         raise WeightSyncError(
@@ -453,4 +465,5 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
         transport.committed(staged)
     from trainer.model import weight_bytes
 
-    return PushResult(version, time.perf_counter() - start, weight_bytes(model, served_dtype(model)), attempts)
+    return PushResult(version, time.perf_counter() - start, weight_bytes(model, served_dtype(model)), attempts,
+                      paused_s)
