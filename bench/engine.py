@@ -1,6 +1,6 @@
 """Output tokens/s of the embedded engine at several concurrencies, and the ratio to concurrency 1.
 
-    python bench/engine.py [--model smollm2] [--concurrency 1,8,32] [--runs 3] [--tokens 32]
+    python bench/engine.py [--model smollm2] [--concurrency 1,8,32] [--runs 3] [--tokens 32] [--device cuda]
 
 Starts `agentrl engine` as a real process (or uses --url), then for each concurrency c sends c requests at
 once (each prompt different, max_new_tokens fixed, ignore_eos, temperature 1) and measures generated
@@ -44,10 +44,11 @@ def prompts(n: int) -> list[list[int]]:
     return out
 
 
-def start_engine(model: str, port: int, max_running: int, threads: int) -> tuple[subprocess.Popen, object]:
+def start_engine(model: str, port: int, max_running: int, threads: int, device: str = "cpu") -> tuple[subprocess.Popen, object]:
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "agentrl", "engine", "--model", model, "--port", str(port),
-                             "--max-running-requests", str(max_running), "--threads", str(threads)],
+                             "--max-running-requests", str(max_running), "--threads", str(threads),
+                             "--device", device],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -104,6 +105,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16, help="max_new_tokens per request")
     parser.add_argument("--threads", type=int, default=1, help="the engine's torch CPU threads")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the engine's device")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     proc = log = None
@@ -112,12 +114,12 @@ def main() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        proc, log = start_engine(args.model, port, max(levels), args.threads)
+        proc, log = start_engine(args.model, port, max(levels), args.threads, args.device)
         url = f"http://127.0.0.1:{port}"
     try:
         load = os.getloadavg()[0]
-        print(f"engine bench: model {args.model}, {args.tokens} new tokens per request, {args.runs} runs each, "
-              f"engine threads {args.threads}; "
+        print(f"engine bench: model {args.model} on {args.device}, {args.tokens} new tokens per request, "
+              f"{args.runs} runs each, engine threads {args.threads}; "
               f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), load average {load:.1f}")
         rows = asyncio.run(bench(url, levels, args.runs, args.tokens))
     finally:
