@@ -182,3 +182,42 @@ async def test_errors_in_anthropic_shape_count_tokens_head_and_beta(make_gw: Any
         # errors from the other routes keep OpenAI's shape
         resp = await gw.post("/v1/responses", {"input": 5})
         assert resp.status_code == 400 and "error" in resp.json() and "type" not in resp.json()
+
+
+async def test_failures_before_and_after_the_stream_starts(make_gw: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import openai
+
+    from gateway.store import errors as store_errors
+
+    async with make_gw(["Hello there."]) as gw:
+        sess = await gw.session()
+        client, oai = claude(gw, key=sess["api_key"]), gw.sdk(key=sess["api_key"])
+        msgs = [{"role": "user", "content": "hi"}]
+
+        # the store fails when recording, after the stream started: the format's failure event
+        async def broken(*_: Any, **__: Any) -> None:
+            raise store_errors.StoreUnavailable("disk full")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(gw.store, "record_interactions", broken)
+            with pytest.raises(anthropic.APIStatusError) as err:
+                async with client.messages.stream(model="m", max_tokens=20, messages=msgs) as stream:
+                    async for _ in stream:
+                        pass
+            assert err.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+            async with oai.responses.stream(model="m", input="hi", max_output_tokens=20) as rstream:
+                kinds = [e.type async for e in rstream]
+            assert kinds[-1] == "response.failed" and "response.completed" not in kinds
+
+        # engine down before any output: an HTTP error in each format's shape
+        gw.engine.down = True
+        with pytest.raises(anthropic.APIStatusError) as err:
+            await client.messages.create(model="m", max_tokens=5, messages=msgs, stream=True)
+        assert err.value.status_code == 503
+        assert err.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+        with pytest.raises(anthropic.APIStatusError):
+            await client.messages.create(model="m", max_tokens=5, messages=msgs)
+        with pytest.raises(openai.InternalServerError) as oerr:
+            await oai.responses.create(model="m", input="hi", stream=True)
+        assert oerr.value.status_code == 503 and oerr.value.body["code"] == "engine_unavailable"  # type: ignore[index]
+        assert await gw.store.session_interactions(session_id=sess["session_id"]) == []
