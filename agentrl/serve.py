@@ -142,6 +142,7 @@ def connect_text(settings: ServeSettings, public: str, out: Path) -> str:
         f"  trainer:      {settings.batch_groups} groups of {settings.group_size} per step; metrics in "
         f"{out / 'trainer' / 'metrics.jsonl'}",
         f"  logs:         {out / 'logs'}",
+        f"  trace viewer: {public}/ui   (log in with the admin key)",
         "Ctrl-C stops everything.",
         "",
     ])

@@ -360,3 +360,23 @@ async def test_auth_read_only_and_unknown_ids(make_gw: Any) -> None:
         assert (await gw.http.get("/ui/api/sessions", headers=jar(forged))).status_code == 401
         out = await gw.http.post("/ui/logout", headers=jar(token))
         assert out.status_code == 303 and f'{COOKIE}=""' in out.headers["set-cookie"]
+
+
+async def test_recorded_text_cannot_inject_markup(make_gw: Any) -> None:
+    """Messages, replies and ids are the agent's and the model's text: the pages escape them everywhere,
+    token titles (attributes) included."""
+    hostile = 'x" onmouseover="alert(1)" <script>alert(2)</script> & \'q\''
+    async with make_gw([hostile]) as gw:
+        s = await gw.session(group_id='g/"<b>?#')
+        r = await gw.sdk(s["api_key"]).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": hostile}], max_tokens=64)
+        for path in (f"/ui/sessions/{s['session_id']}", f"/ui/sessions/{s['session_id']}/turns/{r.id}/tokens",
+                     f"/ui/sessions/{s['session_id']}/rows/{r.id}/tokens", "/ui/sessions"):
+            html = (await gw.get(path)).text
+            assert "<script>alert" not in html and 'onmouseover="alert' not in html, path
+            assert "<b>?#" not in html
+        html = (await gw.get(f"/ui/sessions/{s['session_id']}")).text
+        assert "&lt;script&gt;alert(2)&lt;/script&gt;" in html  # shown, as text
+        assert 'href="/ui/groups/g%2F%22%3Cb%3E%3F%23"' in html  # the group id as one path segment
+        tokens = (await gw.get(f"/ui/sessions/{s['session_id']}/turns/{r.id}/tokens")).text
+        assert re.search(r'title="#\d+ id \d+ &#34;[^"]*&#34;', tokens)  # JSON quotes escaped inside the attribute

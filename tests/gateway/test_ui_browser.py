@@ -25,15 +25,17 @@ import pytest
 from tests.gateway.conftest import GatewayProc
 
 CHROMIUM = os.environ.get("AGENTRL_CHROMIUM", "/usr/bin/chromium")
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package (dev extra) is not installed")
+HAVE_CHROMIUM = Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is not None
+# checked at collection, before the session-scoped engine fixture would start for nothing
+pytestmark = pytest.mark.skipif(
+    not HAVE_CHROMIUM, reason=f"no Chromium at {CHROMIUM}: `apt-get install chromium` (CI's .ci/run does) to run the browser tests")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        pytest.skip(f"no Chromium at {CHROMIUM}: `apt-get install chromium` (CI's .ci/run does) to run the browser tests")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package (dev extra) is not installed")
     with sync_api.sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
         try:
