@@ -1,6 +1,10 @@
-"""The generation service: from an authenticated request to recorded turns and an OpenAI response.
+"""The conversation core: from a parsed request to recorded turns, whatever wire format it came in.
 
-For a chat completion:
+Wire formats (``gateway.formats``: chat completions, Responses, Messages) parse their requests into the
+core's model (``ChatCompletionRequest``; ``CompletionRequest`` for raw prompts) and render what
+:meth:`GenerationService.run_turn` returns (the plan and finished choices) or what
+:meth:`GenerationService.stream_turn` yields (:class:`TurnEvent`: ``delta``, ``end``, ``recorded``). The
+core never renders a response. For a conversation turn:
 
 1. validate ``messages``/``tools`` (chat layer; 400 with the JSON path of the bad value);
 2. bind the session (``gateway.binding``) and find the parent turn: the longest prefix of the messages
@@ -12,7 +16,7 @@ For a chat completion:
 4. generate every choice on the engines (``gateway.engine_client.EngineRouter``: routing, pause/resume);
 5. decode (``gateway.decoding``: stop strings, tool calls, logprobs);
 6. record every choice as its own interaction in ONE store call (group commit, all or nothing) and only
-   then return the response (or, when streaming, the final chunk).
+   then return (or, when streaming, yield ``recorded``, after which the format sends its final events).
 
 From the moment its session is known until it is recorded or fails, a turn is reported to the lifecycle
 (``app.state.inflight``, see ``gateway.lifecycle.InFlight``), so that its session is never idle-finished or
@@ -38,14 +42,13 @@ from gateway.binding import group_of_root
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.normalize import canonical_json, chain_hashes, extend_chain, validate_messages
 from gateway.context import Services
-from gateway.decoding import ChoiceDecoder, ChoiceResult, StreamDelta, logprobs_json
+from gateway.decoding import ChoiceDecoder, ChoiceResult, StreamDelta
 from gateway.engine_client import Generation, SamplingParams
 from gateway.errors import (
     Conflict,
     ContextLengthExceeded,
     GatewayError,
     InvalidRequest,
-    error_body,
     from_chat_error,
     from_store_error,
 )
@@ -325,114 +328,58 @@ class GenerationService:
         for run in runs:
             metrics.engine_seconds.observe(run.engine_s)
 
-    # ------------------------------------------------------------------------------------ chat
+    # ------------------------------------------------------------------------------------ the core's entry points
     def _chat_chain(self, plan: TurnPlan) -> Callable[[ChoiceRun], str]:
         def chain(run: ChoiceRun) -> str:
             assert run.result is not None
             return extend_chain(plan.request_hash, [run.result.message()])
         return chain
 
-    def _chat_logprobs(self, req: ChatCompletionRequest, res: ChoiceResult) -> dict[str, Any] | None:
-        if not req.logprobs:
-            return None
-        n = res.visible
-        return {"content": logprobs_json(self.svc.tokenizer, res.output_ids[:n], res.logprobs[:n],
-                                         res.top_logprobs, req.top_logprobs or 0)}
+    async def _prepare(self, turn: AsyncExitStack, req: ChatCompletionRequest | CompletionRequest,
+                       session: SessionRecord | None, id_prefix: str | None, meta: dict[str, Any] | None
+                       ) -> tuple[TurnPlan, SamplingParams, list[ChoiceRun], Callable[[ChoiceRun], str]]:
+        """Track, plan and size a turn: its plan, sampling parameters, choices and chain-hash function."""
+        await self._track(turn, session)
+        if isinstance(req, ChatCompletionRequest):
+            plan = await self.plan_chat(req, session)
+            top, parse_tools, chain = (req.top_logprobs or 0) if req.logprobs else 0, req.wants_tools, \
+                self._chat_chain(plan)
+        else:
+            plan = await self.plan_completion(req, session)
+            top, parse_tools, chain = req.logprobs or 0, False, self._completion_chain(plan)
+        plan.request.update(meta or {})
+        await self._planned(turn, plan)
+        await self._track_planned(turn, session, plan)
+        params = self._sampling(req, len(plan.prompt), top)
+        prefix = id_prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
+        return plan, params, self._choices(req, prefix, parse_tools), chain
 
-    async def run_turn(self, req: ChatCompletionRequest, session: SessionRecord | None, *,
-                       id_prefix: str = "chatcmpl", meta: dict[str, Any] | None = None
+    async def run_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | None, *,
+                       id_prefix: str | None = None, meta: dict[str, Any] | None = None
                        ) -> tuple[TurnPlan, list[ChoiceRun]]:
         """The conversation core, whatever wire format the request came in: plan, generate every choice,
-        record; returns the plan and the finished choices for the format to render. ``meta`` is recorded
-        with the request (``format`` and what the format kept out of the prompt)."""
+        record; returns the plan and the finished choices for the format to render (``gateway.formats``).
+        ``meta`` is recorded with the request (``format`` and what the format kept out of the prompt)."""
         async with AsyncExitStack() as turn:
-            await self._track(turn, session)
-            plan = await self.plan_chat(req, session)
-            plan.request.update(meta or {})
-            await self._planned(turn, plan)
-            await self._track_planned(turn, session, plan)
-            params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
-            runs = self._choices(req, id_prefix, req.wants_tools)
+            plan, params, runs, chain = await self._prepare(turn, req, session, id_prefix, meta)
             await self._generate_all(plan, params, runs)
-            await self._record(plan, runs, self._chat_chain(plan))
+            await self._record(plan, runs, chain)
         return plan, runs
 
-    async def stream_turn(self, req: ChatCompletionRequest, session: SessionRecord | None, *,
-                          id_prefix: str = "chatcmpl", meta: dict[str, Any] | None = None
+    async def stream_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | None, *,
+                          id_prefix: str | None = None, meta: dict[str, Any] | None = None
                           ) -> tuple[TurnPlan, list[ChoiceRun], AsyncIterator[TurnEvent]]:
         """The streaming conversation core: plan and start generating (errors before the first engine
         output raise, a normal HTTP error); returns the turn's events (:meth:`_events`) for the format to
         render. The turn is in flight until that iterator ends or is closed."""
         turn = AsyncExitStack()
         try:
-            await self._track(turn, session)
-            plan = await self.plan_chat(req, session)
-            plan.request.update(meta or {})
-            await self._planned(turn, plan)
-            await self._track_planned(turn, session, plan)
-            params = self._sampling(req, len(plan.prompt), (req.top_logprobs or 0) if req.logprobs else 0)
-            runs = self._choices(req, id_prefix, req.wants_tools)
-            events = await self._start_streams(plan, params, runs, turn, self._chat_chain(plan))
+            plan, params, runs, chain = await self._prepare(turn, req, session, id_prefix, meta)
+            events = await self._start_streams(plan, params, runs, turn, chain)
         except BaseException:
             await turn.aclose()
             raise
         return plan, runs, events
-
-    async def chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> dict[str, Any]:
-        plan, runs = await self.run_turn(req, session)
-        choices = []
-        for run in runs:
-            res = run.result
-            assert res is not None
-            choices.append({"index": run.index, "message": res.message(), "logprobs": self._chat_logprobs(req, res),
-                            "finish_reason": res.finish_reason, "response_id": run.id})
-        completion = sum(len(r.result.output_ids) for r in runs if r.result)
-        return {
-            "id": runs[0].id, "object": "chat.completion", "created": int(time.time()),
-            "model": self.svc.model_name, "choices": choices, "system_fingerprint": None,
-            "usage": {"prompt_tokens": len(plan.prompt), "completion_tokens": completion,
-                      "total_tokens": len(plan.prompt) + completion},
-        }
-
-    async def chat_stream(self, req: ChatCompletionRequest, session: SessionRecord | None) -> AsyncIterator[bytes]:
-        """Chat completion chunks; the final chunk of every choice (``finish_reason``) is sent only after
-        all choices are recorded."""
-        plan, runs, events = await self.stream_turn(req, session)
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, last: bool = False) -> bytes:
-            body: dict[str, Any] = {"id": runs[0].id, "object": "chat.completion.chunk", "created": created,
-                                    "model": self.svc.model_name, "system_fingerprint": None, "choices": choices}
-            if include_usage:
-                body["usage"] = usage if last else None
-            return b"data: " + _dumps(body) + b"\n\n"
-
-        def delta_choice(run: ChoiceRun, delta: StreamDelta, gen: Generation) -> dict[str, Any] | None:
-            if not delta:
-                return None
-            out: dict[str, Any] = {}
-            if delta.content:
-                out["content"] = delta.content
-            if delta.tool_calls:
-                out["tool_calls"] = [{"index": i, **call} for i, call in delta.tool_calls]
-            logprobs = None
-            if req.logprobs and delta.token_end > delta.token_start:
-                s, e = delta.token_start, delta.token_end
-                logprobs = {"content": logprobs_json(self.svc.tokenizer, gen.output_ids[s:e], gen.logprobs[s:e],
-                                                     gen.top_logprobs[s:e], req.top_logprobs or 0)}
-            if not out and logprobs is None:
-                return None
-            return {"index": run.index, "delta": out, "logprobs": logprobs, "finish_reason": None,
-                    "response_id": run.id}
-
-        return self._sse(plan, runs, events, chunk, include_usage,
-                         lambda run: {"index": run.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None, "response_id": run.id},
-                         delta_choice,
-                         lambda run: {"index": run.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": run.result.finish_reason if run.result else None,
-                                      "response_id": run.id})
 
     async def _stream_choice(self, plan: TurnPlan, params: SamplingParams, run: ChoiceRun,
                              queue: asyncio.Queue[tuple[str, Any]]) -> None:
@@ -495,38 +442,6 @@ class GenerationService:
             await _cancel(tasks)
             await turn.aclose()
 
-    async def _sse(self, plan: TurnPlan, runs: list[ChoiceRun], events: AsyncIterator[TurnEvent],
-                   chunk: Callable[..., bytes], include_usage: bool,
-                   opening: Callable[[ChoiceRun], dict[str, Any]] | None,
-                   render: Callable[[ChoiceRun, StreamDelta, Generation], dict[str, Any] | None],
-                   closing: Callable[[ChoiceRun], dict[str, Any]]) -> AsyncIterator[bytes]:
-        """Chat / text completion chunks of a turn's events (the final chunks only once recorded)."""
-        try:
-            if opening is not None:
-                for run in runs:
-                    yield chunk([opening(run)])
-            async for event in events:
-                if event.kind == "recorded":
-                    break
-                assert event.run is not None and event.delta is not None and event.gen is not None
-                payload = render(event.run, event.delta, event.gen)
-                if payload is not None:
-                    yield chunk([payload])
-            for run in runs:
-                yield chunk([closing(run)])
-            if include_usage:
-                completion = sum(len(r.result.output_ids) for r in runs if r.result)
-                yield chunk([], {"prompt_tokens": len(plan.prompt), "completion_tokens": completion,
-                                 "total_tokens": len(plan.prompt) + completion}, last=True)
-            yield b"data: [DONE]\n\n"
-        except GatewayError as exc:
-            _, body = error_body(exc)
-            log.warning("stream ended with an error, nothing recorded: %s", exc.message)
-            yield b"data: " + _dumps(body) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        finally:
-            await _aclose(events)
-
     # ------------------------------------------------------------------------------------ completions
     async def plan_completion(self, req: CompletionRequest, session: SessionRecord | None) -> TurnPlan:
         started = time.perf_counter()
@@ -561,77 +476,6 @@ class GenerationService:
             digest.update(_dumps(run.result.output_ids))
             return digest.hexdigest()
         return chain
-
-    def _completion_logprobs(self, req: CompletionRequest, res: ChoiceResult, ids: list[int],
-                             logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict[str, Any] | None:
-        if req.logprobs is None:
-            return None
-        entries = logprobs_json(self.svc.tokenizer, ids, logprobs, top, req.logprobs)
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]
-                if req.logprobs else None,
-                "text_offset": None}
-
-    async def completion(self, req: CompletionRequest, session: SessionRecord | None) -> dict[str, Any]:
-        async with AsyncExitStack() as turn:
-            await self._track(turn, session)
-            plan = await self.plan_completion(req, session)
-            await self._planned(turn, plan)
-            params = self._sampling(req, len(plan.prompt), req.logprobs or 0)
-            runs = self._choices(req, "cmpl", False)
-            await self._generate_all(plan, params, runs)
-            await self._record(plan, runs, self._completion_chain(plan))
-        choices = []
-        for run in runs:
-            res = run.result
-            assert res is not None
-            n = res.visible
-            choices.append({"index": run.index, "text": res.text, "finish_reason": res.finish_reason,
-                            "logprobs": self._completion_logprobs(req, res, res.output_ids[:n], res.logprobs[:n],
-                                                                  res.top_logprobs),
-                            "response_id": run.id})
-        completion = sum(len(r.result.output_ids) for r in runs if r.result)
-        return {"id": runs[0].id, "object": "text_completion", "created": int(time.time()),
-                "model": self.svc.model_name, "choices": choices,
-                "usage": {"prompt_tokens": len(plan.prompt), "completion_tokens": completion,
-                          "total_tokens": len(plan.prompt) + completion}}
-
-    async def completion_stream(self, req: CompletionRequest, session: SessionRecord | None) -> AsyncIterator[bytes]:
-        turn = AsyncExitStack()
-        try:
-            await self._track(turn, session)
-            plan = await self.plan_completion(req, session)
-            await self._planned(turn, plan)
-            return await self._start_completion_stream(req, plan, turn)
-        except BaseException:
-            await turn.aclose()
-            raise
-
-    async def _start_completion_stream(self, req: CompletionRequest, plan: TurnPlan,
-                                       turn: AsyncExitStack) -> AsyncIterator[bytes]:
-        params = self._sampling(req, len(plan.prompt), req.logprobs or 0)
-        runs = self._choices(req, "cmpl", False)
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, last: bool = False) -> bytes:
-            body: dict[str, Any] = {"id": runs[0].id, "object": "text_completion", "created": created,
-                                    "model": self.svc.model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage if last else None
-            return b"data: " + _dumps(body) + b"\n\n"
-
-        def delta_choice(run: ChoiceRun, delta: StreamDelta, gen: Generation) -> dict[str, Any] | None:
-            if not delta.content:
-                return None
-            return {"index": run.index, "text": delta.content, "logprobs": None, "finish_reason": None,
-                    "response_id": run.id}
-
-        events = await self._start_streams(plan, params, runs, turn, self._completion_chain(plan))
-        return self._sse(plan, runs, events, chunk, include_usage, None, delta_choice,
-                         lambda run: {"index": run.index, "text": "", "logprobs": None,
-                                      "finish_reason": run.result.finish_reason if run.result else None,
-                                      "response_id": run.id})
 
 
 def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway.binding import session_for
 from gateway.context import services
+from gateway.formats import chat
 from gateway.routes.common import caller, read_json
 from gateway.service import GenerationService
 from gateway.wire import ChatCompletionRequest, CompletionRequest
@@ -26,29 +27,31 @@ def _json(body: object) -> Response:
                     media_type="application/json")
 
 
-async def _generate(request: Request, model: type[Any], plain: Callable[..., Awaitable[Any]],
-                    stream: Callable[..., Awaitable[Any]]) -> Response:
-    """Parse, bind the caller's session, and run the service's plain or streaming method."""
+async def _generate(request: Request, model: type[ChatCompletionRequest] | type[CompletionRequest],
+                    plain: Callable[..., dict[str, Any]], stream: Callable[..., AsyncIterator[bytes]]) -> Response:
+    """Parse, bind the caller's session, run the conversation core and render its result (``plain``) or
+    its events (``stream``) in the chat / text completion format."""
     svc = services(request)
     who = await caller(request)
     req = await read_json(request, model)
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
     service = GenerationService(svc)
     if req.stream:
-        return StreamingResponse(await stream(service, req, session), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    return _json(await plain(service, req, session))
+        plan, runs, events = await service.stream_turn(req, session)
+        return StreamingResponse(stream(req, plan, runs, events, svc.model_name, svc.tokenizer),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    plan, runs = await service.run_turn(req, session)
+    return _json(plain(req, plan, runs, svc.model_name, svc.tokenizer))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await _generate(request, ChatCompletionRequest, GenerationService.chat, GenerationService.chat_stream)
+    return await _generate(request, ChatCompletionRequest, chat.chat_response, chat.chat_chunks)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    return await _generate(request, CompletionRequest, GenerationService.completion,
-                           GenerationService.completion_stream)
+    return await _generate(request, CompletionRequest, chat.completion_response, chat.completion_chunks)
 
 
 @router.get("/v1/models")
