@@ -46,6 +46,7 @@ def test_tutorial_end_to_end_on_the_tiny_model(tmp_path, tiny_model_dir):
     metrics = [json.loads(line) for line in (tmp_path / "runs/tutorial/trainer/metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["batch/sessions"] == 8 for m in metrics)
     assert all(len(m["batch/group_ids"]) == 2 for m in metrics)
+    assert any(not m.get("skipped") for m in metrics)  # the shaping reward varies: at least one step trained
 
     report = json.loads((tmp_path / "runs/tutorial-eval/eval.json").read_text())
     assert report["tasks"] == 8 and report["difference"]["tasks_compared"] == 8
