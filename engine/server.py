@@ -265,7 +265,7 @@ def create_app(engine: Engine) -> FastAPI:
         try:
             version = await engine.update_from_distributed(
                 names=body.names, dtypes=body.dtypes, shapes=body.shapes, group_name=body.group_name,
-                weight_version=body.weight_version, abort_all=body.abort_all_requests,
+                weight_version=body.weight_version, abort_all=body.abort_all_requests, load_format=body.load_format,
             )
         except WeightUpdateError as exc:
             return _weight_result(False, f"Failed to update weights: {exc}. The old weights keep serving.")

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentrl.weight_group import WeightGroup, broadcast_tensors, destroy_weight_group, init_weight_group
+from agentrl.weight_group import (FLATTENED_BUCKET, WeightGroup, broadcast_flat, broadcast_tensors, destroy_weight_group,
+                                  flat_size, init_weight_group, unflatten)
 from engine.config import EngineSettings
 from engine.models import resolve_model
 from engine.sampling import InvalidRequest, SamplingParams
@@ -288,7 +289,10 @@ class Engine:
         destroy_weight_group(group)
 
     async def update_from_distributed(self, *, names, dtypes, shapes, group_name: str, weight_version: Any,
-                                      abort_all: bool) -> int:
+                                      abort_all: bool, load_format: str | None = None) -> int:
+        """Receive one bucket over the group: with ``load_format="flattened_bucket"`` as ONE ``uint8``
+        broadcast cut back by names/dtypes/shapes, otherwise one broadcast per tensor (SGLang's
+        ``WeightUpdater.update_weights_from_distributed``)."""
         group = self.groups.get(group_name)
         if group is None:
             raise WeightUpdateError(f"no weight update group {group_name!r}: call /init_weights_update_group first")
@@ -300,9 +304,15 @@ class Engine:
                 check_names_and_shapes(self.model, {n: s for n, _, s in manifest}, complete=False)
             except WeightUpdateError as exc:
                 refusal = exc  # still receive the bucket below, so that the sender's broadcast completes
-            buffers = [torch.empty(shape, dtype=dtype, device=group.device) for _, dtype, shape in manifest]
             try:
-                await asyncio.to_thread(broadcast_tensors, group, buffers, 0)
+                if load_format == FLATTENED_BUCKET:
+                    layout = [(dtype, shape) for _, dtype, shape in manifest]
+                    flat = torch.empty(flat_size(layout), dtype=torch.uint8, device=group.device)
+                    await asyncio.to_thread(broadcast_flat, group, flat, 0)
+                    buffers = unflatten(flat, layout)
+                else:
+                    buffers = [torch.empty(shape, dtype=dtype, device=group.device) for _, dtype, shape in manifest]
+                    await asyncio.to_thread(broadcast_tensors, group, buffers, 0)
             except RuntimeError as exc:
                 raise WeightUpdateError(f"broadcast on group {group_name!r} failed: {exc}") from exc
             if refusal is not None:
@@ -333,6 +343,7 @@ class Engine:
             "context_length": self.context_length,
             "max_running_requests": self.settings.max_running_requests,
             "max_req_input_len": self.context_length - 1,
+            "tp_size": 1,  # one rank in a weight-update group (SGLang: rank_offset + tp_rank)
             "weight_version": self.weight_version,
             "version": ENGINE_VERSION,
             "internal_states": [state],

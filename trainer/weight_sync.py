@@ -274,24 +274,52 @@ class BroadcastSync:
         self.group = None
         self._engines: list[str] = []
 
+    def _tp_size(self, url: str) -> int:
+        """Ranks the engine takes in the group: SGLang joins every TP worker, as ``rank_offset + tp_rank``."""
+        try:
+            resp = self.client.get(f"{url}/get_server_info", timeout=30.0)
+            return max(1, int(resp.json().get("tp_size") or 1)) if resp.status_code == 200 else 1
+        except (httpx.HTTPError, ValueError, TypeError):
+            return 1
+
+    def disconnect(self) -> None:
+        """Drop the group on both sides (so that its name can be used again by the next ``connect``)."""
+        from agentrl.weight_group import destroy_weight_group
+
+        if self.group is not None:
+            destroy_weight_group(self.group)
+            self.group = None
+        for url in self._engines:
+            try:
+                _post(self.client, f"{url}/destroy_weights_update_group", {"group_name": self.group_name},
+                      timeout=30.0)
+            except WeightSyncError as exc:  # an engine that restarted has no group; one that is gone, neither
+                log.info("destroy_weights_update_group on %s: %s", url, exc)
+        self._engines = []
+
     def connect(self, engines: list[str]) -> None:
-        """Rank 0 only: form the group with every engine (each engine is one rank after the trainer)."""
+        """Rank 0 only: form the group with every engine. The trainer is rank 0; engine ``i`` takes
+        ``tp_size`` ranks from ``rank_offset`` (1 + the ranks of the engines before it)."""
         from agentrl.weight_group import init_weight_group
 
+        self.disconnect()
         port = self.master_port or _free_port()
-        world = 1 + len(engines)
+        offsets, world = [], 1
+        for url in engines:
+            offsets.append(world)
+            world += self._tp_size(url)
         errors: list[str] = []
 
-        def join(i: int, url: str) -> None:
+        def join(url: str, rank_offset: int) -> None:
             try:
                 _post(self.client, f"{url}/init_weights_update_group",
-                      {"master_address": self.master_addr, "master_port": port, "rank_offset": 1 + i,
+                      {"master_address": self.master_addr, "master_port": port, "rank_offset": rank_offset,
                        "world_size": world, "group_name": self.group_name, "backend": self.backend},
                       timeout=self.timeout_s)
             except WeightSyncError as exc:
                 errors.append(str(exc))
 
-        threads = [threading.Thread(target=join, args=(i, u), daemon=True) for i, u in enumerate(engines)]
+        threads = [threading.Thread(target=join, args=(u, o), daemon=True) for u, o in zip(engines, offsets)]
         for t in threads:
             t.start()
         try:
@@ -301,13 +329,15 @@ class BroadcastSync:
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError; report with the engines' side
             for t in threads:
                 t.join(timeout=5)
+            self._engines = list(engines)
+            self.disconnect()
             raise WeightSyncError(f"cannot form the weight-update group: {exc!r}; engines said: {errors}") from exc
         for t in threads:
             t.join(timeout=self.timeout_s)
-        if errors:
-            self.group = None
-            raise WeightSyncError(f"engines refused /init_weights_update_group: {errors}")
         self._engines = list(engines)
+        if errors:
+            self.disconnect()
+            raise WeightSyncError(f"engines refused /init_weights_update_group: {errors}")
 
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> None:
         return None
@@ -315,7 +345,7 @@ class BroadcastSync:
     def send_all(self, model: torch.nn.Module, engines: list[str], version: int, info: DistInfo, *,
                  flush_cache: bool = True) -> str | None:
         """Collective over the trainer ranks: gather buckets; rank 0 broadcasts them. Rank 0's error or None."""
-        from agentrl.weight_group import broadcast_tensors
+        from agentrl.weight_group import broadcast_flat
 
         error: str | None = None
         if info.is_main and (self.group is None or self._engines != engines):
@@ -335,17 +365,22 @@ class BroadcastSync:
             bucket.append((name, tensor.to(device)))
             size += tensor.numel() * tensor.element_size()
             if size >= self.bucket_bytes:
-                error = error or self._send_bucket(bucket, engines, version, broadcast_tensors, flush_cache)
+                error = error or self._send_bucket(bucket, engines, version, broadcast_flat, flush_cache)
                 bucket, size = [], 0
         if info.is_main and bucket:
-            error = error or self._send_bucket(bucket, engines, version, broadcast_tensors, flush_cache)
+            error = error or self._send_bucket(bucket, engines, version, broadcast_flat, flush_cache)
         return error
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], engines: list[str], version: int,
-                     broadcast_tensors: Callable, flush_cache: bool = True) -> str | None:
+                     broadcast: Callable, flush_cache: bool = True) -> str | None:
+        """One ``/update_weights_from_distributed`` per engine and ONE broadcast of the bucket's tensors
+        flattened to bytes (SGLang's ``flattened_bucket`` load format)."""
+        from agentrl.weight_group import FLATTENED_BUCKET, flatten
+
         body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                 "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                "weight_version": str(version), "flush_cache": flush_cache}
+                "weight_version": str(version), "flush_cache": flush_cache, "load_format": FLATTENED_BUCKET}
+        flat = flatten([t for _, t in bucket])
         errors: list[str] = []
 
         def call(url: str) -> None:
@@ -358,14 +393,13 @@ class BroadcastSync:
         for t in threads:
             t.start()
         try:
-            broadcast_tensors(self.group, [t for _, t in bucket], src=0)
+            broadcast(self.group, flat, 0)
         except Exception as exc:  # noqa: BLE001 - a broken group (engine gone, timeout) must stop this push
-            self.group = None
             errors.append(f"broadcast failed: {exc!r}")
         for t in threads:
             t.join(timeout=self.timeout_s)
         if errors:
-            self.group = None  # the next attempt forms a fresh group
+            self.disconnect()  # the next attempt forms a fresh group
             return "; ".join(errors)
         return None
 

@@ -1,0 +1,210 @@
+"""Contract tests that run SGLang's own code (the pinned 0.5.19 wheel; see tests/sglang/own_code.py).
+
+1. Every request body the gateway and the trainer send is validated by SGLang's own request classes, the
+   way its HTTP server does (pydantic over ``GenerateReqInput`` / the msgspec request structs), then by what
+   SGLang does next with it (``normalize_batch_and_arguments``, ``SamplingParams(**...)``, ``verify``,
+   ``normalize`` with the real tokenizer). Fields SGLang would silently ignore fail the test too.
+2. The broadcast weight group: engines whose receiving side is SGLang's own ``init_custom_process_group``
+   and ``WeightUpdater`` code (``tests/sglang/weight_receiver.py``, gloo on CPU, TP 2 and TP 1) take real
+   weights pushed by our trainer's ``BroadcastSync``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import msgspec
+import pydantic
+import pytest
+
+from tests.conftest import REPO, free_port
+from tests.sglang import own_code
+
+
+class Recorder:
+    """An httpx transport that records each request body and answers like SGLang's success responses."""
+
+    def __init__(self) -> None:
+        self.bodies: list[tuple[str, dict[str, Any]]] = []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = json.loads(request.content) if request.content else {}
+        self.bodies.append((path, body))
+        if path == "/generate":
+            out = {"text": "", "output_ids": [5], "meta_info": {
+                "id": "r", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 3,
+                "completion_tokens": 1, "weight_version": "default", "output_token_logprobs": [[-0.5, 5, None]]}}
+            if body.get("stream"):
+                return httpx.Response(200, text=f"data: {json.dumps(out)}\n\ndata: [DONE]\n\n",
+                                      headers={"content-type": "text/event-stream"})
+            return httpx.Response(200, json=out)
+        if path == "/get_server_info":
+            return httpx.Response(200, json={"tp_size": 1})
+        if path == "/flush_cache":
+            return httpx.Response(200, text="Cache flushed.\n")
+        return httpx.Response(200, json={"success": True, "message": "ok", "status": "ok"})
+
+
+ROUTE_CLASSES = {
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+}
+
+
+def check_with_sglang(path: str, body: dict[str, Any], tokenizer: Any) -> Any:
+    """Parse ``body`` as SGLang 0.5.19's HTTP server does for ``path``; return the parsed object."""
+    io = own_code.io_struct()
+    if path == "/generate":
+        cls = io.GenerateReqInput
+        known = {f.name for f in dataclasses.fields(cls)}
+        assert set(body) <= known, f"/generate fields SGLang ignores: {sorted(set(body) - known)}"
+        obj = pydantic.TypeAdapter(cls).validate_python(body)
+        obj.normalize_batch_and_arguments()
+        params = own_code.sampling_params().SamplingParams(**obj.sampling_params)  # unknown key: TypeError
+        params.verify(len(tokenizer))
+        params.normalize(tokenizer)
+        return obj
+    cls = getattr(io, ROUTE_CLASSES[path])
+    known = {f.name for f in msgspec.structs.fields(cls)}
+    assert set(body) <= known, f"{path} fields SGLang ignores: {sorted(set(body) - known)}"
+    return pydantic.TypeAdapter(cls).validate_python(body)
+
+
+@pytest.fixture(scope="module")
+def dist_info():
+    from trainer.model import init_distributed
+
+    return init_distributed("cpu")  # idempotent: joins the one-process default group once
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+async def test_every_gateway_request_is_one_sglang_accepts(tokenizer) -> None:
+    from gateway.engine_client import EngineClient, EngineRouter, SamplingParams
+
+    rec = Recorder()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(rec.handler)) as http:
+        client = EngineClient("http://sglang", http)
+        full = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop=["\n\n", "Q:"],
+                              stop_token_ids=[2], top_logprobs=5)
+        for params in (SamplingParams(max_new_tokens=4), full):
+            await client.generate([1, 2, 3], params, params.max_new_tokens)
+            async for _ in client.generate_stream([1, 2, 3], params, params.max_new_tokens):
+                pass
+        router = EngineRouter([client])
+        await router.pause("abort")
+        await router.resume(1)
+        await client.update_weights_from_disk("/sync/v1", weight_version=1)
+    paths = [p for p, _ in rec.bodies]
+    assert paths.count("/generate") == 4 and "/pause_generation" in paths and "/continue_generation" in paths
+    for path, body in rec.bodies:
+        obj = check_with_sglang(path, body, tokenizer)
+        if path == "/generate":
+            assert obj.return_logprob is True and obj.input_ids == [1, 2, 3]
+            if body["sampling_params"].get("sampling_seed") is not None:
+                assert obj.sampling_params["sampling_seed"] == 3 and obj.top_logprobs_num == 5
+    disk = dict(rec.bodies)["/update_weights_from_disk"]
+    assert check_with_sglang("/update_weights_from_disk", disk, tokenizer).weight_version == "1"
+
+
+def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, dist_info, tmp_path) -> None:
+    import torch
+
+    from trainer.model import load_model
+    from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, push_weights
+
+    rec = Recorder()
+    client = httpx.Client(transport=httpx.MockTransport(rec.handler))
+    model = load_model(tiny_model_dir)
+    push_weights(model, 1, info=dist_info, control=DirectControl(["http://sglang"], client=client),
+                 transport=DiskSync(sync_dir=tmp_path, source_dir=tiny_model_dir, client=client), retries=1)
+    sync = BroadcastSync(client=client, bucket_bytes=1 << 20)
+    bucket = [("model.embed_tokens.weight", torch.zeros(8, 4, dtype=torch.bfloat16)),
+              ("model.norm.weight", torch.ones(4))]
+    sync._send_bucket(bucket, ["http://sglang"], 2, lambda group, flat, src: None)
+    sync._engines = ["http://sglang"]
+    sync.disconnect()
+    seen = {p for p, _ in rec.bodies}
+    assert {"/pause_generation", "/update_weights_from_disk", "/continue_generation",
+            "/update_weights_from_distributed", "/destroy_weights_update_group"} <= seen
+    for path, body in rec.bodies:
+        if path in ROUTE_CLASSES:
+            obj = check_with_sglang(path, body, tokenizer)
+            if path == "/update_weights_from_distributed":
+                assert obj.load_format == "flattened_bucket" and obj.dtypes == ["bfloat16", "float32"]
+                assert obj.shapes == [[8, 4], [4]] and obj.weight_version == "2"
+            if path == "/pause_generation":
+                assert obj.mode == "retract"
+
+
+@contextmanager
+def receiver(tp: int) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang.weight_receiver", "--port", str(port),
+                             "--tp", str(tp), "--tp-port", str(free_port())], cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, "the SGLang weight receiver exited"
+            try:
+                if httpx.get(url + "/get_server_info", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the SGLang weight receiver did not start"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_trainer_pushes_real_weights_into_sglangs_own_group(tiny_model_dir, dist_info) -> None:
+    """Two engines, TP 2 and TP 1: world 4, ranks trainer 0, engine A 1-2 (rank_offset 1 + tp_rank),
+    engine B 3; several flattened buckets; then a second push over the same group, and a fresh group after
+    ``disconnect`` (SGLang refuses a second group of the same name until it is destroyed)."""
+    import torch
+
+    from trainer.model import iter_full_tensors, load_model, served_dtype
+    from trainer.weight_sync import BroadcastSync
+
+    model = load_model(tiny_model_dir)
+    with receiver(2) as a, receiver(1) as b, httpx.Client(timeout=120) as http:
+        sync = BroadcastSync(client=http, bucket_bytes=256 * 1024, backend="gloo", timeout_s=120)
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * version)
+            if version == 3:
+                sync.disconnect()
+            assert sync.send_all(model, [a, b], version, dist_info) is None
+            expected = {name: (str(t.dtype).removeprefix("torch."), list(t.shape), float(t.double().sum()))
+                        for name, t in iter_full_tensors(model, dtype=served_dtype(model))}
+            for url, tp in ((a, 2), (b, 1)):
+                ranks = httpx.get(url + "/loaded", timeout=60).json()
+                assert len(ranks) == tp
+                for loaded in ranks:
+                    assert set(loaded) == set(expected)
+                    for name, (dtype, shape, total) in expected.items():
+                        assert loaded[name][:2] == [dtype, shape], name
+                        assert loaded[name][2] == pytest.approx(total, rel=1e-6, abs=1e-6), name

@@ -1,0 +1,192 @@
+"""SGLang's own code, loaded file by file from the pinned wheel, for contract tests.
+
+The wheel (``sglang==0.5.19``, the version ``docker-compose.yml`` pins) is installed with ``--no-deps`` into
+its own folder of the venv (``make test`` does it); of its dependencies only ``msgspec`` and ``pyzmq`` are
+needed (``io_struct.py`` imports them). Importing ``sglang.srt`` the normal
+way would pull CUDA-only packages (``triton``, ``torchvision``, ``sgl-kernel``), so the few files the
+contracts need are executed in isolation:
+
+* ``sampling/sampling_params.py`` and ``weight_sync/tensor_bucket.py`` import nothing heavy: loaded as they are.
+* ``managers/io_struct.py`` (the request classes: ``GenerateReqInput``, ``UpdateWeightsFromDistributedReqInput``,
+  ...) is executed as is, with every other ``sglang.*`` module it imports replaced by a placeholder whose
+  attributes are inert classes (only its type annotations and a few helpers refer to them; the request
+  classes the gateway and trainer use are plain dataclasses / msgspec structs of builtin types), except
+  ``utils/msgspec_utils.py``, ``utils/field_validators.py`` and ``sampling_params.py``, which are loaded for
+  real because the request classes use them to validate.
+* ``init_custom_process_group`` lives in ``utils/common.py``, whose imports need CUDA packages: the function's
+  own source is cut out of that file (``ast``) and executed with the two module globals it reads (``torch``,
+  ``torch_release``).
+
+Placeholders are removed from ``sys.modules`` once a file is loaded, so nothing else sees them; the real
+files stay there under their own names (pydantic resolves their annotations through ``sys.modules``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+PINNED = "0.5.19"
+
+
+def sglang_root() -> Path:
+    """``sglang/`` of the pinned wheel, installed apart from the venv's packages (its declared dependencies
+    pin other transformers/tokenizers versions, so it must not be seen by pip's resolver or by imports):
+    ``pip install --no-deps --target $VENV/sglang-0.5.19 sglang==0.5.19``."""
+    root = Path(sys.prefix) / f"sglang-{PINNED}" / "sglang"
+    if not (root / "srt" / "managers" / "io_struct.py").is_file():
+        pytest.fail(f"SGLang {PINNED} is not at {root.parent}: pip install --no-deps --target {root.parent} "
+                    f"sglang=={PINNED} (make test does)")
+    return root
+
+
+class _Inert(type(msgspec.Struct)):  # type: ignore[misc]
+    """Placeholder classes: tagged msgspec structs (io_struct builds a msgpack decoder over every request
+    struct at import, which resolves their field types); any attribute is another placeholder."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _placeholder(name)
+
+
+def _any_schema(cls: Any, source: Any, handler: Any) -> Any:
+    from pydantic_core import core_schema
+
+    return core_schema.any_schema()
+
+
+def _placeholder(name: str) -> Any:
+    # pydantic (FastAPI's body validation in SGLang) accepts anything where a placeholder type is annotated
+    return _Inert(name, (msgspec.Struct,), {"__get_pydantic_core_schema__": classmethod(_any_schema)}, tag=True)
+
+
+class _Placeholder(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(name)
+        setattr(self, name, value)
+        return value
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Real files for ``real`` module names, placeholders for every other ``sglang`` module."""
+
+    def __init__(self, root: Path, real: dict[str, str]) -> None:
+        self.root, self.real = root, real
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "sglang" and not name.startswith("sglang."):
+            return None
+        if name in self.real:
+            return importlib.util.spec_from_file_location(name, self.root.parent / self.real[name])
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _Placeholder(spec.name)
+        module.__path__ = []  # a package, so that submodules resolve through this finder
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _load(module: str, real: dict[str, str]) -> types.ModuleType:
+    root = sglang_root()
+    finder = _Finder(root, {**real, module: real[module]})
+    saved = {k: v for k, v in sys.modules.items() if k == "sglang" or k.startswith("sglang.")}
+    sys.meta_path.insert(0, finder)
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [k for k in sys.modules if k == "sglang" or k.startswith("sglang.")]:
+            if name not in saved and isinstance(sys.modules[name], _Placeholder):
+                del sys.modules[name]  # real files stay: pydantic resolves annotations in their module
+
+
+_MSGSPEC = {"sglang.srt.utils.msgspec_utils": "sglang/srt/utils/msgspec_utils.py",
+            "sglang.srt.utils.field_validators": "sglang/srt/utils/field_validators.py",
+            "sglang.srt.sampling.sampling_params": "sglang/srt/sampling/sampling_params.py"}
+
+
+@cache
+def io_struct() -> types.ModuleType:
+    return _load("sglang.srt.managers.io_struct", {"sglang.srt.managers.io_struct": "sglang/srt/managers/io_struct.py",
+                                                   **_MSGSPEC})
+
+
+@cache
+def sampling_params() -> types.ModuleType:
+    return _load("sglang.srt.sampling.sampling_params", _MSGSPEC)
+
+
+@cache
+def tensor_bucket() -> types.ModuleType:
+    return _load("sglang.srt.weight_sync.tensor_bucket",
+                 {"sglang.srt.weight_sync.tensor_bucket": "sglang/srt/weight_sync/tensor_bucket.py"})
+
+
+def cut(relpath: str, qualname: str, namespace: dict[str, Any]) -> Any:
+    """The function (``name``) or method (``Class.name``, then taking ``self`` explicitly) ``qualname`` of
+    SGLang's file ``relpath``, cut out with ``ast`` and executed in ``namespace`` (its module globals)."""
+    path = sglang_root() / relpath
+    tree = ast.parse(path.read_text())
+    *owner, name = qualname.split(".")
+    body = tree.body
+    for cls in owner:
+        body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    func = next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
+    func.decorator_list = []
+    exec(compile(ast.Module(body=[func], type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+@cache
+def init_custom_process_group_fn() -> Any:
+    """``sglang.srt.utils.common.init_custom_process_group`` (its file imports CUDA packages; the function
+    reads two module globals, ``torch`` and ``torch_release``)."""
+    import torch
+    from packaging import version as pkg_version
+
+    return cut("srt/utils/common.py", "init_custom_process_group",
+               {"torch": torch, "torch_release": pkg_version.parse(torch.__version__).release})
+
+
+@cache
+def network() -> types.ModuleType:
+    return _load("sglang.srt.utils.network", {"sglang.srt.utils.network": "sglang/srt/utils/network.py"})
+
+
+@cache
+def weight_updater_methods() -> dict[str, Any]:
+    """The receiving side of SGLang's weight sync, ``WeightUpdater`` methods of
+    ``model_executor/model_runner_components/weight_updater.py``: ``init_weights_update_group``,
+    ``update_weights_from_distributed`` (with ``_update_bucketed_weights_from_distributed``) and
+    ``destroy_weights_update_group``. Their module imports the model loader (CUDA), so they run with the
+    globals they use; the guard against an active CUDA-IPC weight cache is a no-op here."""
+    import logging
+
+    import torch
+
+    namespace: dict[str, Any] = {
+        "torch": torch, "logger": logging.getLogger("sglang.weight_updater"), "Optional": Any,
+        "init_custom_process_group": init_custom_process_group_fn(), "NetworkAddress": network().NetworkAddress,
+        "FlattenedTensorBucket": tensor_bucket().FlattenedTensorBucket,
+        "_unsupported_derived_weight_cache_error": lambda: None,
+    }
+    where = "srt/model_executor/model_runner_components/weight_updater.py"
+    return {name: cut(where, f"WeightUpdater.{name}", namespace)
+            for name in ("init_weights_update_group", "update_weights_from_distributed",
+                         "_update_bucketed_weights_from_distributed", "destroy_weights_update_group")}
