@@ -43,14 +43,12 @@ async def load_turn(store: Store, who: Caller, turn_id: str, param: str) -> Inte
 async def conversation_of(store: Store, turn: Interaction, param: str) -> list[dict[str, Any]]:
     """The whole conversation up to and including ``turn``'s returned message: its root-to-turn path's
     recorded messages (each child recorded only the messages new beyond its parent) and returned messages."""
-    path = [turn]
-    while path[-1].parent_id is not None:
-        try:
-            path.append(await store.get_interaction(interaction_id=path[-1].parent_id))
-        except store_errors.StoreError as exc:
-            raise from_store_error(exc) from exc
+    try:
+        path = await store.path(interaction_id=turn.id)
+    except store_errors.StoreError as exc:
+        raise from_store_error(exc) from exc
     messages: list[dict[str, Any]] = []
-    for step in reversed(path):
+    for step in path:
         new = step.request.get("messages")
         if not isinstance(new, list):
             raise InvalidRequest(f"response {turn.id!r} is a text completion; it has no conversation to continue",

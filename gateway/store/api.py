@@ -101,6 +101,19 @@ def _ancestors_sql() -> sa.TextClause:
     )
 
 
+def _path_ids_sql() -> sa.TextClause:
+    return sa.text(
+        """
+        WITH RECURSIVE anc(id, parent_id, depth) AS (
+            SELECT id, parent_id, 0 FROM interactions WHERE id = :id
+            UNION ALL
+            SELECT i.id, i.parent_id, anc.depth + 1 FROM interactions i JOIN anc ON i.id = anc.parent_id
+        )
+        SELECT id FROM anc ORDER BY depth DESC
+        """
+    )
+
+
 class Store:
     """The durable conversation store. Create with ``await Store.open(...)``; one per process."""
 
@@ -669,6 +682,18 @@ class Store:
         if row is None:
             raise NotFound(f"unknown interaction {interaction_id}")
         return interaction_from_row(row)
+
+    async def path(self, *, interaction_id: str) -> list[Interaction]:
+        """The turns from the root down to ``interaction_id`` (root first): two queries whatever the depth
+        (how ``previous_response_id`` recovers a conversation). NotFound if unknown."""
+        i = schema.interactions
+        async with self._read() as conn:
+            ids = [row.id for row in (await conn.execute(_path_ids_sql(), {"id": interaction_id})).all()]
+            if not ids:
+                raise NotFound(f"unknown interaction {interaction_id}")
+            rows = (await conn.execute(sa.select(i).where(i.c.id.in_(ids)))).mappings().all()
+        by_id = {row["id"]: interaction_from_row(row) for row in rows}
+        return [by_id[turn_id] for turn_id in ids]
 
     async def session_interactions(self, *, session_id: str) -> list[Interaction]:
         """Every turn of a session (the whole tree), parents before children, oldest first. NotFound if

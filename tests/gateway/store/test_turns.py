@@ -160,3 +160,13 @@ async def test_find_session_by_chain_for_implicit_episodes(store: Store) -> None
     found = await store.find_session_by_chain(chain_hashes=["h-c"], implicit_only=False)
     assert found is not None and found.id == explicit.id
     assert await store.find_session_by_chain(chain_hashes=[]) is None
+
+
+async def test_path_is_the_root_to_turn_chain(store: Store) -> None:
+    await _three_turns_and_branch(store)
+    assert [t.id for t in await store.path(interaction_id="t3")] == ["t1", "t2", "t3"]
+    assert [t.id for t in await store.path(interaction_id="b2")] == ["t1", "b2"]
+    (root,) = await store.path(interaction_id="t1")
+    assert root.prompt_ids == [1, 2, 3] and root.response_message["content"] == "answer t1"
+    with pytest.raises(NotFound):
+        await store.path(interaction_id="nope")
