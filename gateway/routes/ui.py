@@ -139,17 +139,22 @@ async def _api(request: Request, build: Any) -> JSONResponse:
         raise from_store_error(exc) from exc
 
 
+def _failed_page(exc: GatewayError | store_errors.StoreError) -> Response:
+    """A page's answer to an error: the login form for missing credentials, else an error page."""
+    if isinstance(exc, AuthenticationFailed):
+        return RedirectResponse("/ui/login", status_code=303, headers=SECURITY_HEADERS)
+    err = from_store_error(exc) if isinstance(exc, store_errors.StoreError) else exc
+    status, body = error_body(err)
+    return render("error.html", status=status, headers=SECURITY_HEADERS, error=body["error"], code=status)
+
+
 async def _page(request: Request, template: str, build: Any, **extra: Any) -> Response:
     """Render ``template`` over ``await build()``; a login redirect or an error page instead on failure."""
     try:
         await require_viewer(request)
         data = await build()
-    except AuthenticationFailed:
-        return RedirectResponse("/ui/login", status_code=303, headers=SECURITY_HEADERS)
     except (GatewayError, store_errors.StoreError) as exc:
-        err = from_store_error(exc) if isinstance(exc, store_errors.StoreError) else exc
-        status, body = error_body(err)
-        return render("error.html", status=status, headers=SECURITY_HEADERS, error=body["error"], code=status)
+        return _failed_page(exc)
     return render(template, headers=SECURITY_HEADERS, data=data, query=dict(request.query_params), **extra)
 
 
@@ -242,7 +247,24 @@ async def trainer_page(request: Request) -> Response:
     return await _page(request, "trainer.html", lambda: _trainer(request))
 
 
+@router.get("/find")
+async def find_page(request: Request) -> Response:
+    """The header's search box: redirect to the page of a session, a turn (response id) or a group."""
+    try:
+        await require_viewer(request)
+        found = await views.find(services(request).store, request.query_params.get("id", ""))
+    except (GatewayError, store_errors.StoreError) as exc:
+        return _failed_page(exc)
+    return RedirectResponse(found["url"], status_code=303, headers=SECURITY_HEADERS)
+
+
 # ------------------------------------------------------------------------------------------------ APIs
+
+
+@router.get("/api/find")
+async def find_api(request: Request) -> JSONResponse:
+    return await _api(request, lambda: views.find(services(request).store, request.query_params.get("id", "")))
+
 
 
 @router.get("/api/sessions")

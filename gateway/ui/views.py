@@ -18,6 +18,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import quote
 
 from agentrl.trajectory import Row, Turn, abandoned_retries, export_session, turn_from_interaction
 from gateway.errors import InvalidRequest, NotFound
@@ -344,3 +345,24 @@ async def trainer_detail(app_state: Any, entries: list[dict[str, Any]]) -> dict[
         "reports": entries,
         "charts": [chart(entries, "reward/mean"), chart(entries, "logprob_gap/mean")],
     }
+
+
+async def find(store: Store, ident: str) -> dict[str, Any]:
+    """What an id names (a session, a turn = response id, or a group) and the viewer page that shows it."""
+    ident = ident.strip()
+    if not ident:
+        raise InvalidRequest("give an id to look up: a session id, a response id or a group id", param="id")
+    try:
+        session = await store.get_session(session_id=ident)
+        return {"kind": "session", "session_id": session.id, "url": f"/ui/sessions/{quote(session.id, safe='')}"}
+    except store_errors.NotFound:
+        pass
+    try:
+        turn = await store.get_interaction(interaction_id=ident)
+        sid = quote(turn.session_id, safe="")
+        return {"kind": "turn", "session_id": turn.session_id, "url": f"/ui/sessions/{sid}#turn-{quote(turn.id, safe='')}"}
+    except store_errors.NotFound:
+        pass
+    if await store.list_sessions(group_id=ident, limit=1):
+        return {"kind": "group", "group_id": ident, "url": f"/ui/groups/{quote(ident, safe='')}"}
+    raise NotFound(f"no session, response or group has the id {ident!r}", param="id")

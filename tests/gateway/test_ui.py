@@ -337,6 +337,20 @@ async def test_auth_read_only_and_unknown_ids(make_gw: Any) -> None:
         page = await gw.get("/ui/sessions/sess-nope")
         assert page.status_code == 404 and "no session" in page.text
 
+        # the header's search box: a session, a response id (-> its turn in the tree), a group
+        for ident, kind, url in ((sid, "session", f"/ui/sessions/{sid}"),
+                                 (ids["r3"], "turn", f"/ui/sessions/{sid}#turn-{ids['r3']}"),
+                                 ("g1", "group", "/ui/groups/g1")):
+            assert (await gw.get("/ui/api/find", params={"id": ident})).json() == {
+                "kind": kind, **({"group_id": "g1"} if kind == "group" else {"session_id": sid}), "url": url}
+            page = await gw.get("/ui/find", params={"id": ident})
+            assert page.status_code == 303 and page.headers["location"] == url
+        assert (await gw.get("/ui/api/find", params={"id": "nothing"})).status_code == 404
+        assert (await gw.get("/ui/api/find")).status_code == 400
+        assert (await gw.get("/ui/find", params={"id": "nothing"})).status_code == 404
+        assert (await gw.get("/ui/api/find", params={"id": sid}, key=AGENT)).status_code == 403
+        assert f'id="turn-{ids["r3"]}"' in (await gw.get(f"/ui/sessions/{sid}")).text
+
         # login: the form's key is checked like a bearer key; only the admin key gets the cookie
         form = {"Content-Type": "application/x-www-form-urlencoded"}
         for key, status in ((AGENT, 403), (ids["a"]["api_key"], 403), ("wrong", 401), ("", 401)):

@@ -160,8 +160,13 @@ def test_click_through_the_viewer(browser: Any, gateway_factory: Callable[..., G
         assert page.locator("figure.chart[data-metric='reward/mean'] circle").count() == 4
         page.screenshot(path=str(shots / "ui_trainer.png"), full_page=True)
 
+        # the header's search box takes a response id to its turn in the tree
+        page.fill("nav input[name=id]", ids["r2"])
+        page.press("nav input[name=id]", "Enter")
+        page.wait_for_url(f"**/ui/sessions/{ids['a']}#turn-{ids['r2']}")
+        assert page.locator("li.node:target").get_attribute("data-turn") == ids["r2"]
+
         # a turn's token view from the session page, then logging out ends access
-        page.goto(f"{gw.base_url}/ui/sessions/{ids['a']}")
         page.click(f"li.node[data-turn='{ids['r2']}'] > .card a.tokens-link")
         page.wait_for_selector("#tokens")
         assert page.locator("#tokens .tok.k-context").count() > 0 and page.locator("#tokens .tok.m1").count() > 0
