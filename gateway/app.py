@@ -27,6 +27,7 @@ from gateway.admission import AlwaysAdmit
 from gateway.binding import ImplicitIndex
 from gateway.chat.template import ChatTemplate
 from gateway.context import Services
+from gateway.control import ControlPlane
 from gateway.engine_client import EngineClient, EngineRouter
 from gateway.errors import (
     Conflict,
@@ -148,6 +149,7 @@ def create_app(
                                for u in settings.engine_url], health_interval_s=settings.health_interval_s)
         own_store = store is None
         opened: Store | None = store
+        control: ControlPlane | None = None
         try:
             await router.wait_healthy(settings.startup_timeout_s)
             info, context = await _discover(router, settings)
@@ -175,15 +177,20 @@ def create_app(
             if not hasattr(app.state, "admission"):
                 app.state.admission = admission or AlwaysAdmit()
             app.state.started_at = time.time()
+            control = ControlPlane(router, metrics, redis=opened.redis, prefix=opened.redis_prefix,
+                                   pause_timeout_s=settings.pause_timeout_s)
             app.state.services = Services(
                 settings=settings, store=opened, router=router, tokenizer=tok, template=template,
                 metrics=metrics, model_name=name, context_length=context, implicit=ImplicitIndex(opened),
-                app_state=app.state)
+                app_state=app.state, control=control)
             await router.start()
+            await control.start()
             log.info("gateway ready: model %s, context %d, engines %s, db %s", name, context,
                      settings.engine_url, settings.db.split("@")[-1])
             yield
         finally:
+            if control is not None:
+                await control.close()
             await router.close()
             if own_store and opened is not None:
                 await opened.close()

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request
 
 from gateway.chat.template import ChatTemplate
+from gateway.control import ControlPlane
 from gateway.engine_client import EngineRouter
 from gateway.metrics import Metrics
 from gateway.settings import GatewaySettings
@@ -26,6 +27,7 @@ class Services:
     context_length: int
     implicit: Any  # gateway.binding.ImplicitIndex
     app_state: Any  # the app's ``state``: ``admission`` lives there so that it can be replaced
+    control: ControlPlane | None = None  # pause state and weight version shared by every replica
 
     @property
     def admission(self) -> Any:

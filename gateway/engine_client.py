@@ -22,7 +22,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,6 +311,8 @@ class EngineRouter:
         self.weight_version = 0
         self.held = 0  # generations waiting for resume
         self.version_mismatches = 0  # segments whose engine reported a different weight version
+        # Asked before an unexplained abort is called an error: did another replica pause (control plane)?
+        self.pause_check: Callable[[], Awaitable[bool]] | None = None
         self._health_task: asyncio.Task[None] | None = None
 
     # ---- lifecycle and health ----
@@ -428,8 +430,10 @@ class EngineRouter:
         self.weight_version = weight_version
         targets = sorted(self._owes_continue | {i for i, e in enumerate(self.engines) if e.healthy})
         self._owes_continue.update(targets)
-        await self._continue(targets)
-        self._running.set()
+        try:
+            await self._continue(targets)
+        finally:  # held generations go on even if a continue failed or this call was cancelled
+            self._running.set()
 
     async def _continue(self, targets: list[int]) -> None:
         results = await asyncio.gather(*(self.engines[i].client.continue_generation() for i in targets),
@@ -500,7 +504,8 @@ class EngineRouter:
             if last.finish == "abort":
                 if last.abort_status is not None:  # a refusal (SGLang streams it as an abort chunk)
                     raise state.client.error(last.abort_status, last.abort_message or "aborted")
-                if self.paused or self._pause_epoch != epoch:
+                if self.paused or self._pause_epoch != epoch or (
+                        self.pause_check is not None and await self.pause_check()):
                     continue  # held: resent after resume
                 raise EngineError(f"engine {state.client.base_url} aborted the generation")
             if last.finish not in ("stop", "length"):
@@ -512,11 +517,13 @@ class EngineRouter:
             return
 
     def _merge(self, gen: Generation, base: int, out: EngineOutput, version: int) -> None:
-        # Tokens are tagged with the gateway's version at the time the segment was sent: the trainer sets
-        # it on resume after pushing weights, while engines were paused. An engine that reports another
-        # integer version (a push that did not reach it) is counted, not trusted.
+        # A segment's tokens carry the weight version the engine reports for it (SGLang and the embedded
+        # engine report the version their weights were pushed with): that is what sampled them, whatever
+        # this replica was told. An engine that reports none (SGLang's "default") gets the gateway's
+        # version at the time the segment was sent (set on resume after a push). Disagreements are counted.
         if out.weight_version is not None and out.weight_version != version:
             self.version_mismatches += 1
+            version = out.weight_version
         del gen.output_ids[base:], gen.logprobs[base:], gen.versions[base:], gen.top_logprobs[base:]
         gen.output_ids.extend(out.output_ids)
         gen.logprobs.extend(out.logprobs)

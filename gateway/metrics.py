@@ -39,6 +39,9 @@ class Metrics:
                                registry=r)
         self.held = Gauge("agentrl_gateway_held_generations", "generations held while engines are paused",
                           registry=r)
+        self.pause_expired = Counter("agentrl_gateway_pause_expired",
+                                     "pauses that outlived --pause-timeout-s and were resumed by the gateway",
+                                     registry=r)
         self.weight_version = Gauge("agentrl_gateway_weight_version", "current policy weight version",
                                     registry=r)
         self.unknown_fields = Counter("agentrl_gateway_unknown_fields",

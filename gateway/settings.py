@@ -45,6 +45,9 @@ class GatewaySettings:
     engine_timeout_s: float = field(default=600.0, metadata={"help": "timeout of one engine request"})
     health_interval_s: float = field(default=5.0, metadata={
         "help": "seconds between engine health checks (a dead engine leaves the rotation until healthy)"})
+    pause_timeout_s: float = field(default=600.0, metadata={
+        "help": "a pause (POST /admin/pause) with no resume lapses after this and generation resumes at the "
+                "current version (a trainer that died mid-push cannot stall every agent)"})
     startup_timeout_s: float = field(default=120.0, metadata={
         "help": "how long start-up waits for at least one healthy engine"})
     log_level: str = field(default="info", metadata={"help": "log level (debug, info, warning)"})
@@ -86,6 +89,8 @@ class GatewaySettings:
             raise SettingsError(f"--port {self.port} is not a valid TCP port (1-65535)")
         if self.max_body_bytes < 1024:
             raise SettingsError("--max-body-bytes must be at least 1024")
+        if not self.pause_timeout_s > 0:
+            raise SettingsError("--pause-timeout-s must be > 0 (seconds a pause may last without a resume)")
         if self.max_n < 1:
             raise SettingsError("--max-n must be at least 1")
         if self.unsupported_tools not in ("drop", "reject"):

@@ -120,6 +120,12 @@ def build_app(tokenizer_dir: str, replies: list[str], *, context_length: int = 2
         state["paused"] = False
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
+    async def update_from_disk(request: Request) -> Response:
+        body = await request.json()  # the weights stay as they are; only the reported version moves
+        state["version"] = int(body.get("weight_version") or state["version"] + 1)
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
+                             "num_paused_requests": 0})
+
     async def flush(_: Request) -> Response:
         return PlainTextResponse("Cache flushed.")
 
@@ -132,6 +138,7 @@ def build_app(tokenizer_dir: str, replies: list[str], *, context_length: int = 2
         Route("/pause_generation", pause, methods=["POST"]),
         Route("/continue_generation", resume, methods=["POST"]),
         Route("/flush_cache", flush, methods=["GET", "POST"]),
+        Route("/update_weights_from_disk", update_from_disk, methods=["POST"]),
     ])
 
 

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from gateway.binding import require_admin
 from gateway.context import services
+from gateway.control import ControlPlane
 from gateway.routes.common import caller, read_json
 from gateway.trainer_log import trainer_log
 from gateway.wire import PauseRequest, ResumeRequest, TrainerStatus
@@ -19,6 +20,12 @@ router = APIRouter(prefix="/admin")
 
 async def _admin(request: Request) -> None:
     require_admin(await caller(request))
+
+
+def _control(request: Request) -> ControlPlane:
+    control = services(request).control
+    assert control is not None  # built in the app's lifespan
+    return control
 
 
 @router.get("/engines")
@@ -34,7 +41,7 @@ async def pause(request: Request) -> JSONResponse:
     await _admin(request)
     body = await read_json(request, PauseRequest, allow_empty=True)
     svc = services(request)
-    await svc.router.pause(body.mode)
+    await _control(request).pause(body.mode)
     await asyncio.sleep(0)  # let aborted generations reach their hold point
     return JSONResponse({"paused": True, "held": svc.router.held, "weight_version": svc.router.weight_version})
 
@@ -45,8 +52,7 @@ async def resume(request: Request) -> JSONResponse:
     body = await read_json(request, ResumeRequest)
     svc = services(request)
     held = svc.router.held
-    await svc.router.resume(body.weight_version)
-    svc.metrics.weight_version.set(body.weight_version)
+    await _control(request).resume(body.weight_version)
     return JSONResponse({"paused": False, "resumed": held, "weight_version": body.weight_version})
 
 

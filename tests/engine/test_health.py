@@ -39,6 +39,7 @@ def test_health_blocks_behind_a_pause_and_the_router_still_resumes(engine_url: s
             return last.versions
 
     try:
-        assert asyncio.run(asyncio.wait_for(push_through_the_router(), 60)) == [1, 1, 1]
+        # no weights were pushed: the tokens carry the version the engine reports, not the announced one
+        assert asyncio.run(asyncio.wait_for(push_through_the_router(), 60)) == [0, 0, 0]
     finally:  # the engine is shared by the engine tests: never leave it paused
         httpx.post(url + "/continue_generation", json={}, timeout=10)

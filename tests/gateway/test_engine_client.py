@@ -15,7 +15,8 @@ from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
 EOT = 2
 
 
-def body(ids: list[int], finish: dict[str, Any] | None, version: str = "0") -> dict[str, Any]:
+def body(ids: list[int], finish: dict[str, Any] | None, version: str = "default") -> dict[str, Any]:
+    # "default": SGLang's weight_version when none was given, so tokens carry the gateway's version
     return {"text": "", "output_ids": ids, "meta_info": {
         "id": "r", "finish_reason": finish, "prompt_tokens": 3, "completion_tokens": len(ids),
         "weight_version": version, "output_token_logprobs": [[-0.5, t, None] for t in ids]}}

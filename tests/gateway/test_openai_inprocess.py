@@ -452,6 +452,9 @@ async def test_admin_api_and_metrics(make_gw: Any) -> None:
         assert engines["engines"][0]["url"] == "http://engine" and engines["engines"][0]["healthy"]
         assert (await gw.http.get("/admin/engines", headers={"Authorization": f"Bearer {AGENT}"})).status_code == 403
         assert (await gw.post("/admin/pause", {}, key=ADMIN)).json()["paused"] is True
+        async with httpx.AsyncClient(transport=gw.engine, base_url="http://engine") as engine:
+            pushed = await engine.post("/update_weights_from_disk", json={"model_path": "x", "weight_version": "3"})
+            assert pushed.status_code == 200
         assert (await gw.post("/admin/resume", {"weight_version": 3}, key=ADMIN)).json()["weight_version"] == 3
         assert (await gw.http.get("/admin/weight_version", headers=headers)).json() == {"weight_version": 3}
         assert (await gw.post("/admin/resume", {"weight_version": "x"}, key=ADMIN)).status_code == 400
@@ -459,6 +462,14 @@ async def test_admin_api_and_metrics(make_gw: Any) -> None:
                                                    max_tokens=5)
         turn = await gw.store.get_interaction(interaction_id=r.id)
         assert set(turn.output_versions) == {3}
+        # a version announced without a push: tokens keep the version the engine reports (the weights
+        # that sampled them); the disagreement is counted
+        assert (await gw.post("/admin/resume", {"weight_version": 4}, key=ADMIN)).status_code == 200
+        r = await gw.sdk().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=5)
+        assert set((await gw.store.get_interaction(interaction_id=r.id)).output_versions) == {3}
+        assert gw.svc.router.version_mismatches >= 1
+        assert (await gw.post("/admin/resume", {"weight_version": 3}, key=ADMIN)).status_code == 200
         status = await gw.http.get("/admin/trainer", headers=headers)
         assert status.status_code == 200 and "policy" in status.json()
         bad = await gw.post("/admin/trainer", {"version": -1, "batch_size": 4, "staleness_bound": 1}, key=ADMIN)
@@ -468,7 +479,7 @@ async def test_admin_api_and_metrics(make_gw: Any) -> None:
         health = await gw.http.get("/health")
         assert health.status_code == 200 and health.json()["weight_version"] == 3
         metrics = (await gw.http.get("/metrics")).text
-        assert 'agentrl_gateway_root_turns_total{reason="first_turn"} 1.0' in metrics
+        assert 'agentrl_gateway_root_turns_total{reason="first_turn"} 2.0' in metrics
         assert "agentrl_gateway_template_drift_total" in metrics
         missing = await gw.http.get("/v1/nothing")
         assert missing.status_code == 404 and "error" in missing.json()

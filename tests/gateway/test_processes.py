@@ -90,9 +90,19 @@ def test_real_engine_turns_streaming_and_pause_resume(gateway: GatewayProc) -> N
     assert a.response_message == b.response_message and a.finish_reason == b.finish_reason
     assert b.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-4)
 
-    # pause while a stream is generating, resume with version 7: the client sees one stream, the row
-    # holds tokens of both versions, version 0 first
+    # pause while a stream is generating, push version 7 (the same weights) and resume: the client sees
+    # one stream, the row holds tokens of both versions (as the engine reports them), version 0 first
     admin = gateway.admin()
+    engine = gateway.engine_urls[0]
+
+    def push_and_resume() -> None:
+        model = httpx.get(engine + "/get_model_info", timeout=30).json()["model_path"]
+        pushed = httpx.post(engine + "/update_weights_from_disk",
+                            json={"model_path": model, "weight_version": "7"}, timeout=120)
+        assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
+        admin.post("/admin/resume", json={"weight_version": 7})
+        resumed.set()
+
     try:
         stream = client.chat.completions.create(model="tiny", messages=q, max_tokens=150, seed=1, stream=True)
         pieces, resumed, rid = [], threading.Event(), None
@@ -102,12 +112,14 @@ def test_real_engine_turns_streaming_and_pause_resume(gateway: GatewayProc) -> N
                 pieces.append(choice.delta.content or "")
             if len(pieces) == 4 and not resumed.is_set():
                 assert admin.post("/admin/pause", json={}).status_code == 200
-                threading.Timer(0.5, lambda: (admin.post("/admin/resume", json={"weight_version": 7}),
-                                              resumed.set())).start()
-        assert resumed.wait(10)
+                threading.Timer(0.5, push_and_resume).start()
+        assert resumed.wait(60)
     finally:
         admin.post("/admin/resume", json={"weight_version": 7})
         admin.close()
+        model = httpx.get(engine + "/get_model_info", timeout=30).json()["model_path"]
+        httpx.post(engine + "/update_weights_from_disk", json={"model_path": model, "weight_version": "0"},
+                   timeout=120)  # the engine is shared by later tests: back to version 0
     (row,) = read_turns(gateway.db, [rid])
     versions = row.output_versions
     assert versions[0] == 0 and versions[-1] == 7 and versions == sorted(versions), versions[:3]
