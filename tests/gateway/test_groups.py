@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -196,6 +197,8 @@ async def _trainer_loop(gw: Gw, groups: int) -> list[str]:
         assert (await gw.post("/v1/trajectories/ack", {"lease_id": meta["lease_id"]}, key=ADMIN)).status_code == 200
         version += 1  # a weight push: engines tag new tokens with the new version, then the trainer says so
         assert (await gw.post("/admin/pause", {}, key=ADMIN)).status_code == 200
+        async with httpx.AsyncClient(transport=gw.engine, base_url="http://engine") as engine:
+            await engine.post("/update_weights_from_disk", json={"model_path": "x", "weight_version": str(version)})
         assert (await gw.post("/admin/resume", {"weight_version": version}, key=ADMIN)).status_code == 200
         await trainer(gw, version)
     return got

@@ -559,6 +559,8 @@ async def test_streamed_turn_held_by_a_pause_keeps_its_session_in_flight(make_gw
             await gw.app.state.trajectories.tick(now=time.time() + 3600)
             assert await _status(gw, sess["session_id"]) == "active"
         finally:
+            async with httpx.AsyncClient(transport=gw.engine, base_url="http://engine") as engine:
+                await engine.post("/update_weights_from_disk", json={"model_path": "x", "weight_version": "1"})
             assert (await gw.post("/admin/resume", {"weight_version": 1}, key=ADMIN)).status_code == 200
         assert await turn == "held answer"
         recorded = await interactions(gw, sess["session_id"])
