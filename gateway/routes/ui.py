@@ -163,7 +163,11 @@ async def _page(request: Request, template: str, build: Any, **extra: Any) -> Re
 
 @router.get("")
 @router.get("/")
-async def index() -> Response:
+async def index(request: Request) -> Response:
+    try:
+        await require_viewer(request)
+    except (GatewayError, store_errors.StoreError) as exc:
+        return _failed_page(exc)  # the login form, or 403 for an agent or session key
     return RedirectResponse("/ui/sessions", status_code=303, headers=SECURITY_HEADERS)
 
 

@@ -307,6 +307,11 @@ async def test_auth_read_only_and_unknown_ids(make_gw: Any) -> None:
     async with make_gw(REPLIES) as gw:
         ids = await record(gw)
         sid = ids["a"]["session_id"]
+        for key, status, where in ((ADMIN, 303, "/ui/sessions"), (None, 303, "/ui/login"), (AGENT, 403, None),
+                                   (ids["b"]["api_key"], 403, None)):
+            for path in ("/ui", "/ui/"):
+                resp = await gw.get(path, key=key)
+                assert resp.status_code == status and resp.headers.get("location") == where, (path, key)
         pages = ["/ui/sessions", f"/ui/sessions/{sid}", f"/ui/sessions/{sid}/turns/{ids['r3']}/tokens",
                  f"/ui/sessions/{sid}/rows/{ids['r3']}/tokens", "/ui/groups/g1", "/ui/trainer"]
         apis = ["/ui/api" + p[3:] for p in pages]
