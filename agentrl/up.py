@@ -61,7 +61,7 @@ class UpSettings:
     engine_url: str = field(default="", metadata={"help": "use this SGLang/embedded engine instead of starting one"})
     device: str = field(default="cpu", metadata={"help": "device of the embedded engine and trainer", "choices": ("cpu", "cuda")})
     engine_max_running: int = field(default=64, metadata={"help": "the embedded engine's --max-running-requests (decode batch); on a GPU raise it with --concurrency, e.g. 128"})
-    sync_mode: str = field(default="disk", metadata={"help": "weight sync: disk or broadcast", "choices": ("disk", "broadcast")})
+    sync_mode: str = field(default="disk", metadata={"help": "weight sync: disk, broadcast or tensor (CUDA IPC handles; engine and trainer on one GPU)", "choices": ("disk", "broadcast", "tensor")})
     step_timeout_s: float = field(default=900.0, metadata={"help": "give up when one step takes longer than this"})
 
     def validate(self) -> None:

@@ -378,7 +378,7 @@ def run_push(args: argparse.Namespace, path: Path, log_dir: Path) -> tuple[list[
 
     from agentrl.procs import Processes
     from trainer.model import init_distributed, load_model, served_dtype, weight_bytes
-    from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, push_weights
+    from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, TensorSync, push_weights
 
     info = init_distributed(args.device)
     cuda = info.device.type == "cuda"
@@ -452,6 +452,21 @@ def run_push(args: argparse.Namespace, path: Path, log_dir: Path) -> tuple[list[
         found, before = check_engine(url, ref, version, before, f"after disk pushes (v{version})", tol, args.gen_tokens)
         checks += found
         shutil.rmtree(disk.sync_dir, ignore_errors=True)
+
+        # tensor handles (CUDA IPC on a shared GPU; shared-memory files on CPU): only when the engine shares
+        # the trainer's device
+        if not cuda or engine_gpu == 0:
+            tensor = TensorSync(client=client)
+            perturb(model, seed=3, scale=args.noise)
+            tensor_s = pushes(tensor, args.pushes)
+            rows.append({"mode": f"tensor handles (/update_weights_from_tensor), total, median of {len(tensor_s)}",
+                         "seconds": statistics.median(tensor_s), "bytes": nbytes, "all": tensor_s})
+            rows.append({"mode": "tensor handles, generation paused, median", "seconds": statistics.median(paused),
+                         "bytes": nbytes, "all": list(paused)})
+            ref.load(model)
+            found, before = check_engine(url, ref, version, before, f"after tensor pushes (v{version})", tol,
+                                         args.gen_tokens)
+            checks += found
 
         if can_broadcast:
             bcast = BroadcastSync(client=client, bucket_bytes=int(args.bucket_mb * 2**20), backend=backend,

@@ -65,6 +65,18 @@ class UpdateFromDiskIn(Wire):
     weight_version: StrictStr | StrictInt | None = None
 
 
+class UpdateFromTensorIn(Wire):
+    """SGLang 0.5.19 ``UpdateWeightsFromTensorReqInput`` as HTTP JSON (bytes as base64 strings)."""
+
+    serialized_named_tensors: list[StrictStr]
+    load_format: StrictStr | None = None
+    flush_cache: StrictBool = True
+    abort_all_requests: StrictBool = False
+    weight_version: StrictStr | StrictInt | None = None
+    disable_draft_model: StrictBool | None = None
+    torch_empty_cache: StrictBool = False
+
+
 class InitGroupIn(Wire):
     master_address: StrictStr
     master_port: StrictInt
@@ -239,6 +251,16 @@ def create_app(engine: Engine) -> FastAPI:
                                   num_paused_requests=0)
         return _weight_result(True, f"Succeeded to update model weights. Weight version updated to {version}.",
                               num_paused_requests=0)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateFromTensorIn) -> JSONResponse:
+        body.log_unknown("/update_weights_from_tensor")
+        try:
+            await engine.update_from_tensor(body.serialized_named_tensors, load_format=body.load_format,
+                                            weight_version=body.weight_version, abort_all=body.abort_all_requests)
+        except WeightUpdateError as exc:
+            return _weight_result(False, f"Failed to update weights: {exc}. The old weights keep serving.")
+        return _weight_result(True, "Success")
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitGroupIn) -> JSONResponse:

@@ -25,7 +25,8 @@ from engine.config import EngineSettings
 from engine.models import resolve_model
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import Request, Scheduler, Snapshot
-from engine.weights import WeightUpdateError, check_names_and_shapes, load_from_disk, parse_manifest
+from engine.weights import (WeightUpdateError, check_names_and_shapes, decode_named_tensors, load_from_disk,
+                            parse_manifest)
 
 log = logging.getLogger("agentrl.engine")
 
@@ -265,6 +266,20 @@ class Engine:
             new = await asyncio.wrap_future(self.scheduler.swap_weights(tensors, version=version, abort_running=abort_all))
             log.warning("weights from %s -> version %s in %.2fs", model_path, new, time.perf_counter() - started)
             self.model_path = model_path
+            return new
+
+    async def update_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None,
+                                 weight_version: Any, abort_all: bool) -> int:
+        """SGLang's ``/update_weights_from_tensor``: tensors by handle (CUDA IPC on a shared GPU), copied in place."""
+        version = parse_weight_version(weight_version)
+        async with self._update_lock:
+            started = time.perf_counter()
+            tensors = await asyncio.to_thread(decode_named_tensors, self.model, serialized_named_tensors, load_format)
+            new = await asyncio.wrap_future(self.scheduler.swap_weights(tensors, version=version, abort_running=abort_all))
+            if any(t.is_cuda for t in tensors.values()):
+                torch.cuda.synchronize()  # the sender may reuse its memory as soon as we answer
+            del tensors
+            log.warning("weights from tensor handles -> version %s in %.3fs", new, time.perf_counter() - started)
             return new
 
     async def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,

@@ -1,13 +1,17 @@
 """Checking and loading new weights for a running model.
 
-Both weight paths (disk and broadcast) end in the same place: a dict of named tensors, checked against the
+All weight paths (disk, broadcast and tensor handles) end in the same place: a dict of named tensors, checked against the
 running model's state dict (every name known, every shape equal) before anything is copied, so a bad update
 never leaves the model half-changed. The copy itself happens in the scheduler thread between steps.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -90,3 +94,46 @@ def parse_manifest(names, dtypes, shapes) -> list[tuple[str, torch.dtype, tuple[
             raise WeightUpdateError(f"bad manifest entry {name!r}: {dtype!r} {shape!r}")
         out.append((name, _dtype(str(dtype)), tuple(shape)))
     return out
+
+
+# ForkingPickler writes tensors as torch rebuild functions (CUDA IPC handles, or shared-memory file names for
+# CPU tensors) plus a few containers; nothing else may be unpickled from the wire.
+_SAFE_BUILTINS = {"list", "tuple", "dict", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice"}
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "torch" or module.startswith("torch.") or (module == "builtins" and name in _SAFE_BUILTINS) \
+                or (module, name) in {("collections", "OrderedDict"), ("copyreg", "_reconstructor")}:
+            return super().find_class(module, name)
+        raise WeightUpdateError(f"refused to unpickle {module}.{name}: the payload may hold only named torch tensors")
+
+
+def decode_named_tensors(model, serialized_named_tensors: list[str], load_format: str | None) -> dict[str, torch.Tensor]:
+    """The payload of SGLang's ``/update_weights_from_tensor`` -> checked named tensors (not yet copied).
+
+    ``serialized_named_tensors[0]`` (this engine has one tensor-parallel rank) is base64 of a ``ForkingPickler``
+    dump of ``[(name, tensor), ...]``: CUDA tensors arrive as IPC handles into the sender's memory (same
+    GPU), CPU tensors as shared-memory files. The sender keeps them alive until the reply.
+    """
+    if load_format not in (None, "direct"):
+        raise WeightUpdateError(f"load_format {load_format!r} is not supported here; send null (a list of (name, tensor))")
+    if not serialized_named_tensors:
+        raise WeightUpdateError("serialized_named_tensors is empty: send one base64 payload per tensor-parallel rank")
+    try:
+        raw = base64.b64decode(serialized_named_tensors[0], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WeightUpdateError(f"serialized_named_tensors[0] is not base64: {exc}") from exc
+    try:
+        named = _TensorUnpickler(io.BytesIO(raw)).load()
+    except WeightUpdateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - unpickling and rebuilding handles raise many kinds
+        raise WeightUpdateError(f"cannot rebuild the tensors (same machine and GPU as the sender?): {exc!r}") from exc
+    if not isinstance(named, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+            for p in named):
+        raise WeightUpdateError("the payload must be a list of (name, tensor) pairs")
+    tensors = dict(named)
+    check_names_and_shapes(model, {n: tuple(t.shape) for n, t in tensors.items()}, complete=False)
+    return tensors

@@ -15,7 +15,7 @@ from agentrl import defaults
 from agentrl.settings import SettingsError
 from trainer.core_algos import ADV_ESTIMATORS, LOSS_AGG_MODES
 
-SYNC_MODES: tuple[str, ...] = ("disk", "broadcast", "none")
+SYNC_MODES: tuple[str, ...] = ("disk", "broadcast", "tensor", "none")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -55,7 +55,7 @@ class TrainerSettings:
     staleness_bound: int = field(default=defaults.STALENESS_BOUND, metadata=_h("k: the gateway leases rows at most k versions older than the trainer, and admits sessions accordingly"))
 
     # weights out
-    sync_mode: str = field(default="disk", metadata=_h("how weights reach the engines: disk (save + /update_weights_from_disk), broadcast (/update_weights_from_distributed over a process group), none", choices=SYNC_MODES))
+    sync_mode: str = field(default="disk", metadata=_h("how weights reach the engines: disk (save + /update_weights_from_disk), broadcast (/update_weights_from_distributed over a process group), tensor (/update_weights_from_tensor: CUDA IPC handles, engines on the trainer's GPU), none", choices=SYNC_MODES))
     sync_dir: str = field(default="", metadata=_h("disk mode: directory the engines can read; default <checkpoint_dir>/sync"))
     sync_retries: int = field(default=3, metadata=_h("attempts per weight push before the trainer stops with an error"))
     sync_bucket_mb: float = field(default=256.0, metadata=_h("broadcast mode: tensors are sent in buckets of about this many MB"))

@@ -32,8 +32,8 @@ from trainer.config import TrainerSettings
 from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, describe_batch, drop_duplicates
 from trainer.model import DistInfo, build_optimizer, init_distributed, load_model
 from trainer.step import train_step
-from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, broadcast_object,
-                                 push_weights)
+from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, TensorSync,
+                                 broadcast_object, push_weights)
 
 log = logging.getLogger("trainer")
 
@@ -141,6 +141,8 @@ def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo, clien
         # absolute: the engines resolve model_path against their own working directory
         sync_dir = Path(settings.sync_dir or Path(settings.checkpoint_dir) / "sync").resolve()
         return control, DiskSync(sync_dir=sync_dir, source_dir=model_dir, client=client)
+    if settings.sync_mode == "tensor":
+        return control, TensorSync(client=client)
     backend = "nccl" if info.device.type == "cuda" else "gloo"
     return control, BroadcastSync(client=client, bucket_bytes=int(settings.sync_bucket_mb * 2**20),
                                   master_addr=settings.sync_master_addr, master_port=settings.sync_master_port,

@@ -1,10 +1,12 @@
 """Weights out: push the trainer's weights to the engines, wrapped as pause -> update -> resume.
 
-Two transports, one wrapper:
+Three transports, one wrapper:
 
 * :class:`DiskSync`: rank 0 writes a Hugging Face directory (safetensors + config + tokenizer) under
   ``sync_dir/v<version>`` **before** generation is paused, then every engine loads it at once with
   ``POST /update_weights_from_disk``: generation is paused only for the loads (``PushResult.paused_s``).
+* :class:`TensorSync` (engines sharing the trainer's GPU): the weights in one flat buffer, sent as CUDA IPC
+  handles with SGLang's ``POST /update_weights_from_tensor``; staged before the pause like disk mode.
 * :class:`BroadcastSync`: rank 0 forms a process group with the engines once (``POST
   /init_weights_update_group`` on each engine while the trainer joins as rank 0, see
   :mod:`agentrl.weight_group`), then sends the weights in buckets: for each bucket, ``POST
@@ -259,6 +261,66 @@ class DiskSync:
 
 
 @dataclass
+class TensorSync:
+    """Engines on the trainer's machine and GPU: the weights by handle, SGLang's ``/update_weights_from_tensor``.
+
+    Staging (before the pause) gathers the weights, casts them to the served dtype into one flat buffer on
+    the trainer's device and pickles ``[(name, view), ...]`` with ``ForkingPickler``: on a GPU each view is
+    a CUDA IPC handle into that buffer (one allocation, opened once by the engine), on a CPU a shared-memory
+    file. The engine copies from the handles into its own weights before it answers; the buffer is freed
+    once the push is committed. There is no rollback in this mode (as for broadcast).
+    """
+
+    client: httpx.Client
+
+    def __post_init__(self) -> None:
+        self._held: tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None = None
+
+    def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> str | None:
+        """Collective: gather; rank 0 returns the base64 payload (and holds the buffer until committed)."""
+        import base64
+        import io
+        from multiprocessing.reduction import ForkingPickler
+
+        dtype = served_dtype(model)
+        tensors = list(iter_full_tensors(model, dtype=dtype))
+        if not info.is_main:
+            return None
+        odd = [n for n, t in tensors if t.dtype != dtype]
+        if odd:
+            raise WeightSyncError(f"tensor sync sends one dtype ({dtype}); {odd[:3]} differ")
+        flat = torch.empty(sum(t.numel() for _, t in tensors), dtype=dtype, device=tensors[0][1].device)
+        if flat.device.type == "cpu":  # CPU tensors travel as shared-memory files any process can open
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            flat.share_memory_()
+        named, offset = [], 0
+        for name, t in tensors:
+            view = flat[offset:offset + t.numel()]
+            view.copy_(t.reshape(-1))
+            named.append((name, view.view(t.shape)))
+            offset += t.numel()
+        if flat.device.type == "cuda":
+            torch.cuda.synchronize(flat.device)
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(named)
+        self._held = (flat, named)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+
+    def send(self, engines: list[str], version: int, staged: str | None, updated: list[str], *,
+             flush_cache: bool = True) -> None:
+        for url in engines:
+            if url in updated:
+                continue
+            _post(self.client, f"{url}/update_weights_from_tensor",
+                  {"serialized_named_tensors": [staged], "load_format": None, "flush_cache": flush_cache,
+                   "weight_version": str(version)}, timeout=600.0)
+            updated.append(url)
+
+    def committed(self, staged: str | None) -> None:
+        self._held = None
+
+
+@dataclass
 class BroadcastSync:
     """A process group with the engines (trainer rank 0), bucketed ``/update_weights_from_distributed``."""
 
@@ -437,7 +499,8 @@ class PushResult:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
-def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transport: DiskSync | BroadcastSync,
+def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo,
+                 transport: DiskSync | BroadcastSync | TensorSync,
                  control: Control, retries: int = 3, backoff_s: float = 1.0) -> PushResult:
     """Collective: pause generation, send ``model``'s weights as ``version``, resume. Raises WeightSyncError.
 
@@ -448,7 +511,7 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
     engines: list[str] = []
     error: str | None = None
     staged = None
-    if isinstance(transport, DiskSync):  # gather, cast and write while the engines still generate
+    if isinstance(transport, (DiskSync, TensorSync)):  # gather, cast and write while the engines still generate
         staged = transport.stage(model, version, info)
     paused_at = time.perf_counter()
     if info.is_main:
@@ -495,7 +558,7 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo, transp
             f"weight push of version {version} failed after {attempts} attempt(s): {error}. The engines keep "
             f"serving version {version - 1}; the current batch was not acknowledged."
         )
-    if isinstance(transport, DiskSync) and info.is_main:
+    if isinstance(transport, (DiskSync, TensorSync)) and info.is_main:
         transport.committed(staged)
     from trainer.model import weight_bytes
 

@@ -11,7 +11,7 @@ from tests.trainer.helpers import synthetic_rows
 from trainer.config import TrainerSettings
 from trainer.model import load_model
 from trainer.step import train_step
-from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, WeightSyncError, push_weights
+from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, TensorSync, WeightSyncError, push_weights
 
 PROMPT = [1, 9690, 198, 2683, 314, 253, 1345, 30, 2, 198, 1, 520, 9531, 198]
 GAP = 1e-4
@@ -46,7 +46,7 @@ def test_logprob_gap_at_the_same_version(model, trainer_engine):
     _assert_engine_serves(model, trainer_engine, 0)
 
 
-@pytest.mark.parametrize("mode", ["disk", "broadcast"])
+@pytest.mark.parametrize("mode", ["disk", "broadcast", "tensor"])
 def test_push_changes_outputs_bumps_version_and_matches_trainer(mode, model, trainer_engine, dist_info, tmp_path,
                                                                 tiny_model_dir):
     before_version = engine_version(trainer_engine)
@@ -55,6 +55,8 @@ def test_push_changes_outputs_bumps_version_and_matches_trainer(mode, model, tra
     client = httpx.Client(timeout=120)
     if mode == "disk":
         transport = DiskSync(sync_dir=tmp_path / "sync", source_dir=tiny_model_dir, client=client)
+    elif mode == "tensor":  # on CPU the handles are shared-memory files; on a GPU, CUDA IPC handles
+        transport = TensorSync(client=client)
     else:
         transport = BroadcastSync(client=client, bucket_bytes=2 * 2**20)  # several buckets
     version = before_version + 1
@@ -64,7 +66,7 @@ def test_push_changes_outputs_bumps_version_and_matches_trainer(mode, model, tra
     after = engine_generate(trainer_engine, PROMPT, 12, temperature=0.0)["output_ids"]
     assert after != before
     _assert_engine_serves(model, trainer_engine, version)
-    if mode == "broadcast":  # a second push reuses the group
+    if mode != "disk":  # a second push (broadcast: reuses the group; tensor: a fresh buffer)
         _train_a_step(model, dist_info, seed=7)
         push_weights(model, version + 1, info=dist_info, transport=transport,
                      control=DirectControl([trainer_engine], client=client))
@@ -96,3 +98,26 @@ def test_refused_update_retries_then_stops_and_the_old_version_keeps_serving(mod
     model.load_state_dict(old_weights)
     _assert_engine_serves(model, trainer_engine, old)
     model.load_state_dict(new_weights)
+
+
+def test_tensor_update_refuses_foreign_pickles_and_unknown_names(trainer_engine, model):
+    """/update_weights_from_tensor: only named torch tensors may be unpickled; names are checked first."""
+    import base64
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    version = engine_version(trainer_engine)
+    evil = base64.b64encode(pickle.dumps([("model.norm.weight", print)])).decode()
+    r = httpx.post(f"{trainer_engine}/update_weights_from_tensor", json={"serialized_named_tensors": [evil]}, timeout=60)
+    assert r.status_code == 400 and "refused to unpickle builtins.print" in r.json()["message"]
+    torch.multiprocessing.set_sharing_strategy("file_system")  # a CPU tensor any process can open by name
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump([("model.no_such.weight", torch.zeros(3).share_memory_())])
+    r = httpx.post(f"{trainer_engine}/update_weights_from_tensor",
+                   json={"serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()], "weight_version": "99"},
+                   timeout=60)
+    assert r.status_code == 400 and "unknown parameter names" in r.json()["message"]
+    r = httpx.post(f"{trainer_engine}/update_weights_from_tensor", json={"serialized_named_tensors": ["%%%"]}, timeout=60)
+    assert r.status_code == 400 and "base64" in r.json()["message"]
+    assert engine_version(trainer_engine) == version  # nothing was applied
