@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -121,3 +123,36 @@ def test_tensor_update_refuses_foreign_pickles_and_unknown_names(trainer_engine,
     r = httpx.post(f"{trainer_engine}/update_weights_from_tensor", json={"serialized_named_tensors": ["%%%"]}, timeout=60)
     assert r.status_code == 400 and "base64" in r.json()["message"]
     assert engine_version(trainer_engine) == version  # nothing was applied
+
+
+# SGLang 0.5.19 io_struct.UpdateWeightsFromTensorReqInput (and BaseReq's rid/http_worker_ipc): the HTTP body
+SGLANG_TENSOR_FIELDS = {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                        "weight_version", "disable_draft_model", "torch_empty_cache", "rid", "http_worker_ipc"}
+
+
+def test_tensor_sync_speaks_sglangs_update_weights_from_tensor(model, dist_info):
+    """The body TensorSync sends is SGLang's; SGLang's 400 {"success": false, "message"} is an error."""
+    import base64
+    import pickle
+
+    import respx
+
+    base = "http://sglang.test"
+    with httpx.Client() as http, respx.mock:
+        route = respx.post(f"{base}/update_weights_from_tensor").mock(
+            return_value=httpx.Response(200, json={"success": True, "message": "Success"}))
+        sync = TensorSync(client=http)
+        staged = sync.stage(model, 4, dist_info)
+        updated: list[str] = []
+        sync.send([base], 4, staged, updated, flush_cache=False)
+        body = json.loads(route.calls.last.request.content)
+        assert set(body) <= SGLANG_TENSOR_FIELDS and updated == [base]
+        assert body["weight_version"] == "4" and body["load_format"] is None and body["flush_cache"] is False
+        named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))  # ForkingPickler output
+        state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        assert [n for n, _ in named] == [n for n in state if n != "lm_head.weight"]
+        assert all(torch.equal(t, state[n]) for n, t in named)
+        route.mock(return_value=httpx.Response(400, json={"success": False, "message": "Failed: shape mismatch"}))
+        with pytest.raises(WeightSyncError, match="shape mismatch"):
+            sync.send([base], 5, staged, [], flush_cache=True)
+        sync.committed(staged)
