@@ -27,7 +27,7 @@ def test_bad_combinations_are_refused(overrides, match):
 
 
 def test_unknown_mode_from_env_lists_valid_ones():
-    with pytest.raises(SettingsError, match="unknown sync_mode 'rsync'; valid: disk, broadcast, none"):
+    with pytest.raises(SettingsError, match="unknown sync_mode 'rsync'; valid: disk, broadcast, tensor, none"):
         load(TrainerSettings, env={"AGENTRL_TRAINER_SYNC_MODE": "rsync", "AGENTRL_TRAINER_GATEWAY": "http://x"})
 
 
