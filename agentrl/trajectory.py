@@ -19,6 +19,16 @@ prompts, tool results and bridge tokens); ``logprobs`` (behaviour logprobs, 0 el
 (weight version that generated the token, -1 elsewhere); ``turn_ids`` (index of the turn within the row's
 ``turn_rewards`` on generated tokens, -1 elsewhere).
 
+Sampling: ``turn_temperatures`` holds, per trained turn (the same index as ``turn_rewards``), the
+temperature its tokens were sampled at (greedy = 1: engines report temperature-1 logprobs for greedy
+rows), so the trainer computes its logprobs of token ``t`` as ``log_softmax(logits / T)``, the
+distribution the engine's behaviour logprobs come from (:meth:`Row.token_temperatures`). Nucleus
+(``top_p < 1``) or top-k filtering is refused: the trainer does not recompute under a filter, so such a
+session is not exported for training (:class:`UntrainableSampling`, a clear error in the gateway's log).
+
+Group identity: ``group_key`` is the key of the exported GRPO group (a group id cut into chunks of the
+group size gives one key per chunk); the trainer normalises advantages by it (:attr:`Row.grpo_group`).
+
 Rewards are discounted along each root-to-leaf path only, so sibling branches never leak into each other:
 ``turn_returns[t] = turn_rewards[t] + gamma * turn_returns[t+1]`` with a missing reward counted as 0.
 ``reward`` is ``turn_returns[0]`` (``reward_mode="discounted"``) or the leaf's reward
@@ -47,6 +57,12 @@ RewardMode = Literal["discounted", "last"]
 REWARD_MODES: tuple[str, ...] = ("discounted", "last")
 EXPORT_MODES: tuple[str, ...] = ("concat", "individual")
 TRUNCATED_FINISH_REASONS = frozenset({"length", "abort"})
+GREEDY_TEMPERATURE = 1e-6  # below this a temperature means greedy decoding
+
+
+class UntrainableSampling(ValueError):
+    """A turn was sampled under a filter (``top_p < 1`` or top-k) whose logprobs the trainer cannot
+    recompute; its session is not exported for training."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +85,9 @@ class Turn:
     reward: float | None = None
     request_hash: str = ""
     created_at: float = 0.0
+    temperature: float = 1.0  # effective: greedy (0) is recorded as 1, the distribution engines report
+    top_p: float = 1.0
+    top_k: int = -1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, dtype=np.int32))
@@ -103,7 +122,22 @@ def turn_from_interaction(record: Any) -> Turn:
         reward=record.reward,
         request_hash=record.request_hash,
         created_at=record.created_at,
+        **sampling_of(getattr(record, "request", None)),
     )
+
+
+def sampling_of(request: Any) -> dict[str, Any]:
+    """``temperature`` (effective), ``top_p`` and ``top_k`` of a recorded request's ``params`` (the
+    OpenAI defaults where the client sent none). Raises ValueError for values that are not numbers."""
+    params = (request or {}).get("params") or {} if isinstance(request, dict) else {}
+    temperature = params.get("temperature")
+    temperature = 1.0 if temperature is None else float(temperature)
+    if temperature < GREEDY_TEMPERATURE:
+        temperature = 1.0
+    top_p = params.get("top_p")
+    top_k = params.get("top_k")
+    return {"temperature": temperature, "top_p": 1.0 if top_p is None else float(top_p),
+            "top_k": -1 if top_k is None else int(top_k)}
 
 
 @dataclass(slots=True)
@@ -125,10 +159,25 @@ class Row:
     row_id: str
     task_id: str | None = None
     turn_interaction_ids: list[str] = field(default_factory=list)
+    turn_temperatures: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # (K,) f32; empty = all 1
+    group_key: str = ""  # the exported GRPO group's key ("" in rows built before export: group_id stands in)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def grpo_group(self) -> str:
+        """What advantages are normalised over: the exported group's key, else its group id."""
+        return self.group_key or self.group_id
+
+    def token_temperatures(self) -> np.ndarray:
+        """(T,) float32 sampling temperature of each token (1 where the model generated nothing)."""
+        out = np.ones(self.num_tokens, dtype=np.float32)
+        if len(self.turn_temperatures):
+            gen = self.turn_ids >= 0
+            out[gen] = np.asarray(self.turn_temperatures, dtype=np.float32)[self.turn_ids[gen]]
+        return out
 
     @property
     def min_version(self) -> int:
@@ -275,6 +324,7 @@ def export_concat(
                 row_id=f"concat:{session_id}:{leaf.id}",
                 task_id=task_id,
                 turn_interaction_ids=[t.id for t in path],
+                turn_temperatures=np.array([t.temperature for t in path], dtype=np.float32),
             )
         )
     return rows
@@ -345,13 +395,28 @@ def export_individual(
                 row_id=f"individual:{session_id}:{turn.id}",
                 task_id=task_id,
                 turn_interaction_ids=[turn.id],
+                turn_temperatures=np.array([turn.temperature], dtype=np.float32),
             )
         )
     return rows
 
 
+def check_trainable(turns: Sequence[Turn]) -> None:
+    """Raise :class:`UntrainableSampling` if a kept turn was sampled under top-p / top-k filtering."""
+    by_id, _ = _kept_tree(turns)
+    for t in sorted(by_id.values(), key=lambda t: (t.created_at, t.id)):
+        if t.top_p < 1.0 or t.top_k > 0:
+            raise UntrainableSampling(
+                f"turn {t.id} was sampled with top_p={t.top_p}, top_k={t.top_k}: the trainer recomputes "
+                "logprobs of the whole (temperature-scaled) distribution, not of a filtered one, so every "
+                "importance weight would be wrong; sample training sessions with top_p=1 and no top_k "
+                "(temperature is fine), or mark the session metadata.eval")
+
+
 def export_session(turns: Sequence[Turn], *, mode: str = "concat", **kwargs: Any) -> list[Row]:
-    """Dispatch to :func:`export_concat` or :func:`export_individual` by name."""
+    """Dispatch to :func:`export_concat` or :func:`export_individual` by name (after
+    :func:`check_trainable`)."""
+    check_trainable(turns)
     if mode == "concat":
         return export_concat(turns, **kwargs)
     if mode == "individual":
@@ -377,12 +442,15 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "turn_ids": ("<i4", "token"),
     "turn_rewards": ("<f8", "turn"),
     "turn_returns": ("<f8", "turn"),
+    "turn_temperatures": ("<f4", "turn"),
     "n_tokens": ("<i4", "row"),
     "n_turns": ("<i4", "row"),
     "reward": ("<f8", "row"),
     "is_truncated": ("<i1", "row"),
 }
-_STRING_FIELDS = ("session_id", "group_id", "leaf_id", "row_id", "task_id")
+_STRING_FIELDS = ("session_id", "group_id", "leaf_id", "row_id", "task_id", "group_key")
+# Filled in when a batch written before the column existed is read (queued groups survive an upgrade).
+_STRING_DEFAULTS = {"group_key": ""}
 
 
 def _pad(n: int) -> int:
@@ -412,12 +480,19 @@ def encode_batch(rows: Sequence[Row], meta: dict[str, Any] | None = None) -> byt
     n_tokens = np.array([r.num_tokens for r in rows], dtype=np.int32)
     n_turns = np.array([len(r.turn_rewards) for r in rows], dtype=np.int32)
     for r in rows:
+        if len(r.turn_temperatures) not in (0, len(r.turn_rewards)):
+            raise ValueError(f"row {r.row_id}: turn_temperatures has {len(r.turn_temperatures)} entries for "
+                             f"{len(r.turn_rewards)} turns")
         lengths = {len(r.loss_mask), len(r.logprobs), len(r.versions), len(r.turn_ids)}
         if lengths != {r.num_tokens} or len(r.turn_returns) != len(r.turn_rewards):
             raise ValueError(f"row {r.row_id}: per-token or per-turn arrays differ in length")
 
     def cat(name: str, dtype: str) -> np.ndarray:
-        parts = [getattr(r, name) for r in rows]
+        if name == "turn_temperatures":
+            parts = [r.turn_temperatures if len(r.turn_temperatures) else np.ones(len(r.turn_rewards), np.float32)
+                     for r in rows]
+        else:
+            parts = [getattr(r, name) for r in rows]
         return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
     arrays: dict[str, np.ndarray] = {}
@@ -478,6 +553,10 @@ def decode_columns(data: bytes | bytearray | memoryview) -> tuple[dict[str, np.n
         if begin + dtype.itemsize * spec["count"] > len(buf):
             raise ValueError(f"column {name} runs past the end of the trajectory batch")
         columns[name] = np.frombuffer(buf, dtype=dtype, count=spec["count"], offset=begin)
+    if "turn_temperatures" not in columns:  # written before the column existed: temperature 1
+        columns["turn_temperatures"] = np.ones(int(columns["n_turns"].sum()), dtype=np.float32)
+    for name, default in _STRING_DEFAULTS.items():
+        header["strings"].setdefault(name, [default] * header["n_rows"])
     return columns, header
 
 
@@ -510,6 +589,8 @@ def decode_batch(data: bytes | bytearray | memoryview) -> tuple[list[Row], dict[
                 row_id=strings["row_id"][i],
                 task_id=strings["task_id"][i],
                 turn_interaction_ids=list(strings["turn_interaction_ids"][i]),
+                turn_temperatures=cols["turn_temperatures"][k0:k1],
+                group_key=strings["group_key"][i],
             )
         )
     return rows, header["meta"]

@@ -50,6 +50,7 @@ from agentrl.trajectory import (
     FORMAT_VERSION,
     REWARD_MODES,
     Row,
+    UntrainableSampling,
     encode_batch,
     export_session,
     merge_batches,
@@ -134,6 +135,7 @@ class ExportStats:
     sessions_abandoned: int = 0
     sessions_empty: int = 0
     sessions_failed: int = 0
+    sessions_untrainable: int = 0  # sampled with top_p < 1 / top_k: refused (agentrl.trajectory.UntrainableSampling)
     stale_groups_dropped: int = 0
     stale_rows_dropped: int = 0
     stale_groups_requeued: int = 0
@@ -435,6 +437,10 @@ class TrajectoryService:
                 got = export_session(turns, mode=s_.export_mode, gamma=s_.gamma, reward_mode=s_.reward_mode,
                                      session_reward=rec.reward, session_id=rec.id, group_id=rec.group_id,
                                      task_id=rec.task_id)
+            except UntrainableSampling as exc:
+                log.error("session %s is not exported for training: %s", rec.id, exc)
+                self.stats.sessions_untrainable += 1
+                got = []
             except ValueError:
                 log.exception("session %s has a malformed turn tree; left out of its group", rec.id)
                 self.stats.sessions_failed += 1
@@ -450,9 +456,12 @@ class TrajectoryService:
         if not rows:
             return
         group_id = claimed[0].group_id
+        group_key = stable_id(group_id, *sorted(with_rows))
+        for row in rows:  # the trainer normalises advantages over exactly this group
+            row.group_key = group_key
         versions = [r.min_version for r in rows if r.min_version >= 0]
         group = QueuedGroup(
-            group_key=stable_id(group_id, *sorted(with_rows)), group_id=group_id, session_ids=with_rows,
+            group_key=group_key, group_id=group_id, session_ids=with_rows,
             payload=encode_batch(rows), n_rows=len(rows), n_tokens=sum(r.num_tokens for r in rows),
             min_version=min(versions) if versions else -1, complete=complete,
         )

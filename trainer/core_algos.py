@@ -33,6 +33,9 @@ def _check_name(kind: str, name: str, valid: tuple[str, ...]) -> None:
 # ------------------------------------------------------------------------------------------ advantages
 
 
+ZERO_VARIANCE_STD = 1e-6  # a group whose reward std is at most this has nothing to learn from
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_index: torch.Tensor,
@@ -54,8 +57,8 @@ def group_advantages(
         eps: added to the std.
 
     Returns:
-        advantages: (N,) float32. Rows of a group whose sessions all have the same reward (zero variance,
-        including groups of one session) get 0.
+        advantages: (N,) float32. Rows of a group whose sessions all have the same reward (zero variance:
+        std at most ``ZERO_VARIANCE_STD``, including groups of one session) get 0.
         metrics: ``adv/zero_var_groups`` (count), ``adv/groups``, ``adv/mean``, ``adv/std``, ``adv/min``,
         ``adv/max``.
     """
@@ -86,7 +89,7 @@ def group_advantages(
     sq_dev = (session_reward - mean[session_gid]) ** 2
     var = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, session_gid, sq_dev) / (count - 1).clamp(min=1)
     std = var.sqrt()
-    zero_var = (count < 2) | (std <= 0)
+    zero_var = (count < 2) | (std <= ZERO_VARIANCE_STD)  # 1e-9 apart is noise, not a signal to scale by 1e9
 
     row_gid = session_gid[row_session]
     centred = rewards - mean[row_gid]

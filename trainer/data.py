@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import torch
 
+from trainer.core_algos import ZERO_VARIANCE_STD
 from agentrl.trajectory import LEASE_HEADER, Row, decode_batch, discounted_returns
 
 log = logging.getLogger(__name__)
@@ -143,12 +144,12 @@ def describe_batch(rows: Sequence[Row], gamma: float | None) -> dict[str, Any]:
     rewards = row_rewards(rows, gamma)
     groups: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
-        groups.setdefault(row.group_id, []).append(i)
+        groups.setdefault(row.grpo_group, []).append(i)
     described = []
-    for group_id, index in groups.items():
+    for key, index in groups.items():
         values = rewards[index]
         described.append({
-            "group_id": group_id, "task_id": rows[index[0]].task_id,
+            "group_id": rows[index[0]].group_id, "group_key": key, "task_id": rows[index[0]].task_id,
             "sessions": len({rows[i].session_id for i in index}), "rows": len(index),
             "reward_mean": round(float(values.mean()), 6), "reward_std": round(float(values.std()), 6),
             "reward_min": float(values.min()), "reward_max": float(values.max()),
@@ -158,7 +159,7 @@ def describe_batch(rows: Sequence[Row], gamma: float | None) -> dict[str, Any]:
         "batch/sessions": len({r.session_id for r in rows}),
         "batch/group_ids": [g["group_id"] for g in described],
         "batch/task_ids": sorted({str(g["task_id"]) for g in described if g["task_id"] is not None}),
-        "batch/zero_variance_groups": sum(g["reward_max"] == g["reward_min"] for g in described),
+        "batch/zero_variance_groups": sum(g["reward_max"] - g["reward_min"] <= ZERO_VARIANCE_STD for g in described),
         "batch/reward_spread": described,
     }
 
@@ -173,7 +174,7 @@ def split_by_group(rows: Sequence[Row], parts: int) -> list[list[int]]:
     """Row indices in ``parts`` mini-batches, whole groups each, balanced by group count."""
     groups: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
-        groups.setdefault(row.group_id, []).append(i)
+        groups.setdefault(row.grpo_group, []).append(i)
     out: list[list[int]] = [[] for _ in range(parts)]
     for j, idx in enumerate(groups.values()):
         out[j % parts].extend(idx)
@@ -224,6 +225,7 @@ class MicroBatch:
     advantages: torch.Tensor  # (B,) float32
     rows: list[int]  # indices into the batch
     prox: torch.Tensor | None = None  # (B, T-1) logprobs recomputed with the weights at the start of the step
+    temperature: torch.Tensor | None = None  # (B, T-1) float32 sampling temperature of token t+1 (1 elsewhere)
 
     @property
     def num_tokens(self) -> int:
@@ -232,7 +234,8 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask),
-                          move(self.behaviour), move(self.versions), move(self.advantages), self.rows, move(self.prox))
+                          move(self.behaviour), move(self.versions), move(self.advantages), self.rows, move(self.prox),
+                          move(self.temperature))
 
 
 def collate(rows: Sequence[Row], index: Sequence[int], advantages: torch.Tensor) -> MicroBatch:
@@ -244,6 +247,7 @@ def collate(rows: Sequence[Row], index: Sequence[int], advantages: torch.Tensor)
     loss_mask = torch.zeros(b, width, dtype=torch.float32)
     behaviour = torch.zeros(b, width, dtype=torch.float32)
     versions = torch.full((b, width), -1, dtype=torch.int32)
+    temperature = torch.ones(b, width, dtype=torch.float32)
     for j, i in enumerate(index):
         row = rows[i]
         n = row.num_tokens
@@ -252,6 +256,7 @@ def collate(rows: Sequence[Row], index: Sequence[int], advantages: torch.Tensor)
         loss_mask[j, :n] = torch.from_numpy(np.array(row.loss_mask, dtype=np.float32))  # copy: decoded rows are read-only views
         behaviour[j, :n] = torch.from_numpy(np.array(row.logprobs, dtype=np.float32))  # copy: decoded rows are read-only views
         versions[j, :n] = torch.from_numpy(np.array(row.versions, dtype=np.int32))  # copy: decoded rows are read-only views
+        temperature[j, :n] = torch.from_numpy(row.token_temperatures())
     return MicroBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -260,6 +265,7 @@ def collate(rows: Sequence[Row], index: Sequence[int], advantages: torch.Tensor)
         versions=versions[:, 1:].contiguous(),
         advantages=advantages[list(index)].to(torch.float32),
         rows=list(index),
+        temperature=temperature[:, 1:].contiguous(),
     )
 
 

@@ -206,7 +206,7 @@ def _lease_batch(leases: LeaseClient, settings: TrainerSettings) -> list[tuple[b
         if lease is None:
             break
         got.append((lease.raw, lease.lease_id))
-        groups |= {r.group_id for r in lease.rows}
+        groups |= {r.grpo_group for r in lease.rows}
     return got or None
 
 

@@ -113,10 +113,17 @@ def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32)
 
 
 def token_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, with_entropy: bool = False
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, with_entropy: bool = False,
+    temperature: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T) tokens -> (B, T-1) log p(token t+1 | tokens <= t) in float32, and optionally the entropy."""
+    """(B, T) tokens -> (B, T-1) log p(token t+1 | tokens <= t) in float32, and optionally the entropy.
+
+    ``temperature``: (B, T-1) the temperature token t+1 was sampled at; the logprobs are then those of
+    ``softmax(logits / T)``, the distribution the engine sampled from and reported behaviour logprobs of
+    (as verl and AReaL do). None: temperature 1."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature is not None:
+        logits = logits / temperature.unsqueeze(-1)
     targets = input_ids[:, 1:]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = token_entropy(logits.detach()) if with_entropy else None

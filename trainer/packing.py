@@ -113,34 +113,41 @@ class LinearLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                temperature: torch.Tensor | float | None) -> tuple[torch.Tensor, torch.Tensor]:
         m = hidden.shape[0]
         acc = _acc_dtype(hidden.dtype)
+        if isinstance(temperature, torch.Tensor):  # (M,): each target's own sampling temperature
+            temps: torch.Tensor | None = temperature.to(acc)
+        elif temperature is None or temperature == 1.0:
+            temps = None
+        else:
+            temps = torch.full((m,), float(temperature), dtype=acc, device=hidden.device)
         logp = torch.empty(m, dtype=acc, device=hidden.device)
         entropy = torch.empty(m, dtype=acc, device=hidden.device)
         for s in range(0, m, chunk):
-            logits = _chunk_logits(hidden[s:s + chunk], weight, temperature)
+            logits = _chunk_logits(hidden[s:s + chunk], weight, None if temps is None else temps[s:s + chunk])
             lse = torch.logsumexp(logits, dim=-1)
             logp[s:s + chunk] = logits.gather(-1, targets[s:s + chunk, None])[:, 0] - lse
             probs = torch.softmax(logits, dim=-1)
             entropy[s:s + chunk] = lse - (probs * logits).sum(-1)
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk, ctx.temperature = chunk, temperature
+        ctx.save_for_backward(hidden, weight, targets, temps if temps is not None else torch.ones(m, dtype=acc, device=hidden.device))
+        ctx.chunk = chunk
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, temps = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=_acc_dtype(hidden.dtype), device=weight.device) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], ctx.chunk):
             h = hidden[s:s + ctx.chunk]
-            probs = torch.softmax(_chunk_logits(h, weight, ctx.temperature), dim=-1)
+            t = temps[s:s + ctx.chunk]
+            probs = torch.softmax(_chunk_logits(h, weight, t), dim=-1)
             # d logp / d logits = onehot(target) - softmax; chain through the 1/T scale and the upstream grad
             grad = probs.neg_()
             grad.scatter_add_(-1, targets[s:s + ctx.chunk, None], torch.ones_like(grad[:, :1]))
-            grad.mul_((grad_logp[s:s + ctx.chunk] / ctx.temperature)[:, None])
+            grad.mul_((grad_logp[s:s + ctx.chunk] / t)[:, None])
             grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[s:s + ctx.chunk] = grad @ weight.to(hidden.dtype)
@@ -153,23 +160,24 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """``temperature``: (rows,) the sampling temperature of each row's target, or None for 1."""
     logits = (hidden @ weight.to(hidden.dtype).t()).to(_acc_dtype(hidden.dtype))
-    return logits / temperature if temperature != 1.0 else logits
+    return logits / temperature[:, None] if temperature is not None else logits
 
 
 # ------------------------------------------------------------------------------------------- the model
 
 
 def _logprobs_method(self: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, src: torch.Tensor,
-                     targets: torch.Tensor, pad: tuple[torch.Tensor, int, int], temperature: float = 1.0
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     targets: torch.Tensor, pad: tuple[torch.Tensor, int, int],
+                     temperature: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Bound to the model as ``agentrl_logprobs``: body on the packed rows, LM head at ``src`` only."""
     out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, agentrl_pad=pad)
     hidden = out.last_hidden_state[0].index_select(0, src)  # (M, H)
     weight = self.get_output_embeddings().weight
     chunk = max(1, CHUNK_ELEMENTS // int(weight.shape[0]))
-    return LinearLogprob.apply(hidden, weight, targets, chunk, float(temperature))
+    return LinearLogprob.apply(hidden, weight, targets, chunk, temperature)
 
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
@@ -184,19 +192,24 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    loss_mask: torch.Tensor, *, with_entropy: bool = False, temperature: float = 1.0
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    loss_mask: torch.Tensor, *, with_entropy: bool = False,
+                    temperature: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Like ``trainer.model.token_logprobs`` but computed only where ``loss_mask`` is 1 (0 elsewhere).
 
     (B, T) ids and attention mask (right-padded), (B, T-1) loss mask -> (B, T-1) logprobs (float32, with
-    grad) and optionally (B, T-1) entropy.
+    grad) and optionally (B, T-1) entropy. ``temperature``: one for all, or (B, T-1) per predicted token
+    (the temperature it was sampled at): logprobs of ``softmax(logits / T)``.
     """
     if not hasattr(model, METHOD):
         install(model)
     p = pack(input_ids, attention_mask, loss_mask)
     b, t = input_ids.shape
+    if isinstance(temperature, torch.Tensor):
+        temps: torch.Tensor | None = temperature.reshape(-1)[p.dst]
+    else:
+        temps = None if temperature == 1.0 else torch.full(p.dst.shape, float(temperature), device=input_ids.device)
     logp_sel, ent_sel = getattr(model, METHOD)(p.input_ids, p.position_ids, p.src, p.targets, (p.index, b, t),
-                                               temperature)
+                                               temps)
     logp = torch.zeros(b * (t - 1), dtype=torch.float32, device=input_ids.device).index_put((p.dst,), logp_sel)
     entropy = None
     if with_entropy:

@@ -34,7 +34,7 @@ def advantages_for(rows: Sequence[Row], settings: TrainerSettings) -> tuple[torc
     """(N,) row advantages and their metrics for the whole batch."""
     rewards = torch.from_numpy(row_rewards(rows, settings.gamma_or_none))
     adv, metrics = core_algos.group_advantages(
-        rewards, index_of([r.group_id for r in rows]), index_of([r.session_id for r in rows]),
+        rewards, index_of([r.grpo_group for r in rows]), index_of([r.session_id for r in rows]),
         estimator=settings.adv_estimator,
     )
     metrics["reward/mean"] = float(rewards.mean())
@@ -63,9 +63,11 @@ def micro_logprobs(model: torch.nn.Module, m: MicroBatch, *, packing: bool = Tru
 
     Both give the same numbers where the loss mask is 1 (the packed path leaves 0 elsewhere).
     """
+    temperature = m.temperature  # each token's sampling temperature: the distribution behaviour came from
     if packing:
-        return packed_logprobs(model, m.input_ids, m.attention_mask, m.loss_mask, with_entropy=with_entropy)
-    return token_logprobs(model, m.input_ids, m.attention_mask, with_entropy=with_entropy)
+        return packed_logprobs(model, m.input_ids, m.attention_mask, m.loss_mask, with_entropy=with_entropy,
+                               temperature=1.0 if temperature is None else temperature)
+    return token_logprobs(model, m.input_ids, m.attention_mask, with_entropy=with_entropy, temperature=temperature)
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ from agentrl.trajectory import (
     MAGIC,
     Row,
     Turn,
+    UntrainableSampling,
     abandoned_retries,
     decode_batch,
     decode_columns,
@@ -220,16 +221,19 @@ def random_row(rng: np.random.Generator, i: int) -> Row:
         row_id=f"row-{i}",
         task_id=None if i % 2 else f"task {i}",
         turn_interaction_ids=[f"t{i}-{j}" for j in range(k)],
+        turn_temperatures=rng.uniform(0.1, 2.0, k).astype(np.float32),
+        group_key=f"key-{i % 4}",
     )
 
 
 def assert_rows_equal(a: Row, b: Row) -> None:
-    for name in ("input_ids", "loss_mask", "logprobs", "versions", "turn_ids", "turn_rewards", "turn_returns"):
+    for name in ("input_ids", "loss_mask", "logprobs", "versions", "turn_ids", "turn_rewards", "turn_returns",
+                 "turn_temperatures"):
         got, want = getattr(a, name), getattr(b, name)
         assert got.dtype == want.dtype, name
         eq(got, want)
     for name in ("reward", "is_truncated", "session_id", "group_id", "leaf_id", "row_id", "task_id",
-                 "turn_interaction_ids"):
+                 "turn_interaction_ids", "group_key"):
         assert getattr(a, name) == getattr(b, name), name
 
 
@@ -289,6 +293,54 @@ def test_turn_from_store_interaction():
     assert (t.id, t.parent_id, t.finish_reason, t.reward, t.request_hash, t.created_at) == (
         "chatcmpl-1", None, "length", 0.5, "r", 12.0)
     eq(t.prompt_ids, [1, 2]); eq(t.output_ids, [3]); eq(t.logprobs, [-0.25]); eq(t.versions, [4])
+
+
+# ------------------------------------------------------------------ sampling parameters, group key
+
+
+def test_temperature_of_each_turn_is_exported_and_expanded_per_token():
+    a, b = self_correction()[1], self_correction()[0]
+    a = Turn(**{**{f: getattr(a, f) for f in Turn.__dataclass_fields__}, "temperature": 0.7})
+    b = Turn(**{**{f: getattr(b, f) for f in Turn.__dataclass_fields__}, "temperature": 1.3})
+    (row,) = export_concat([a, b], gamma=1.0)
+    eq(row.turn_temperatures, np.array([0.7, 1.3], dtype=np.float32))
+    # prompt 1 2 3 | out 10 11 (0.7) | prompt 4 5 | out 12 13 14 (1.3)
+    eq(row.token_temperatures(), np.array([1, 1, 1, 0.7, 0.7, 1, 1, 1.3, 1.3, 1.3], dtype=np.float32))
+    ind = export_individual([a, b], gamma=1.0)
+    assert [r.turn_temperatures.tolist() for r in ind] == [[pytest.approx(0.7)], [pytest.approx(1.3)]]
+    (back,), _ = decode_batch(encode_batch([row]))
+    eq(back.token_temperatures(), row.token_temperatures())
+
+
+def test_sampling_parameters_come_from_the_recorded_request():
+    from gateway.store.api import Interaction
+
+    def rec(params):
+        return Interaction(id="c", session_id="s", parent_id=None, request={"params": params}, response_message={},
+                           prompt_ids=[1], output_ids=[3], output_logprobs=[-0.25], output_versions=[0],
+                           finish_reason="stop", chain_hash="c", request_hash="r")
+
+    assert turn_from_interaction(rec({})).temperature == 1.0  # the OpenAI default
+    assert turn_from_interaction(rec({"temperature": 0.7})).temperature == pytest.approx(0.7)
+    assert turn_from_interaction(rec({"temperature": 0})).temperature == 1.0  # greedy: engines report T=1
+    t = turn_from_interaction(rec({"temperature": 1.0, "top_p": 0.9}))
+    assert t.top_p == pytest.approx(0.9)
+    with pytest.raises(UntrainableSampling, match="top_p=0.9"):
+        export_session([t], gamma=1.0)
+    assert export_session([turn_from_interaction(rec({"top_p": 1.0}))], gamma=1.0)
+
+
+def test_batch_written_before_the_new_columns_still_decodes():
+    from agentrl.trajectory import _pack, decode_columns
+
+    rows = export_concat(self_correction(), gamma=1.0)
+    cols, header = decode_columns(encode_batch(rows))
+    old_strings = {k: v for k, v in header["strings"].items() if k != "group_key"}
+    old = _pack({k: v for k, v in cols.items() if k != "turn_temperatures"}, old_strings, header["n_rows"], {})
+    (row,), _ = decode_batch(old)
+    assert row.group_key == "" and row.grpo_group == row.group_id
+    eq(row.turn_temperatures, np.ones(2, dtype=np.float32))
+    assert decode_batch(merge_batches([old, encode_batch(rows)]))[0][1].turn_temperatures.tolist() == [1.0, 1.0]
 
 
 # ------------------------------------------------------------------ random trees vs a slow reference

@@ -244,3 +244,19 @@ async def test_two_exports_of_one_group_in_opposite_orders_give_one_whole_group(
     lease_id, batch = await service.lease_batch(8, 0.0)
     rows, meta = decode_batch(batch)
     assert {r.session_id for r in rows} == {s.id for s in members}
+
+
+async def test_rows_carry_their_exported_groups_key(service):
+    """One group id cut into two GRPO groups (group_size 2): each row names its own group's key, so the
+    trainer normalises over each chunk, not over both merged under the shared group id."""
+    store = service.store
+    for _ in range(4):
+        s = await session_with_turns(store, "same-root", metadata={"group_size": 2})
+        await store.finish_session(session_id=s.id)
+    await service.tick()
+    _, batch = await service.lease_batch(2, 0.0)
+    rows, meta = decode_batch(batch)
+    keys = {g["group_key"]: set(g["session_ids"]) for g in meta["groups"]}
+    assert len(keys) == 2 and {r.group_id for r in rows} == {"same-root"}
+    for r in rows:
+        assert r.session_id in keys[r.group_key] and r.grpo_group == r.group_key

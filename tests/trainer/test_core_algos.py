@@ -30,6 +30,16 @@ def test_group_advantages_hand_computed_each_session_once():
     assert adv[1].item() == pytest.approx(-1.1547005, abs=1e-6)
 
 
+def test_tiny_reward_spread_is_zero_variance():
+    """Rewards 1e-9 apart are noise: dividing by their std gave advantages near +-0.7 (1e-9 / 1.4e-9)."""
+    rewards = torch.tensor([1.0, 1.0 + 1e-9, 1.0, 1.0 + 1e-9], dtype=torch.float64)
+    adv, metrics = ca.group_advantages(rewards, torch.zeros(4, dtype=torch.int64), torch.arange(4))
+    assert adv.abs().max().item() == 0.0 and metrics["adv/zero_var_groups"] == 1.0
+    adv, _ = ca.group_advantages(torch.tensor([0.0, 1e-3, 0.0, 1e-3]), torch.zeros(4, dtype=torch.int64),
+                                 torch.arange(4))
+    assert adv.abs().min().item() > 0.5  # a small but real spread still counts
+
+
 def test_dr_grpo_does_not_divide_by_std():
     adv, _ = ca.group_advantages(torch.tensor([2.0, 0.0, 1.0]), torch.zeros(3, dtype=torch.long),
                                  torch.arange(3), estimator="dr_grpo")

@@ -103,3 +103,59 @@ def test_row_rewards_recomputed_with_gamma():
     rows[0].turn_rewards = np.array([1.0, 0.0, 2.0])
     assert data.row_rewards(rows, 0.5).tolist() == [1.0 + 0.25 * 2.0]
     assert data.row_rewards(rows, None).tolist() == [rows[0].reward]
+
+
+def test_advantages_are_normalised_per_exported_group_key_not_group_id():
+    """Two exported chunks of one group id (implicit mode: same root prompt at different times) are two
+    GRPO groups: rewards 0/1 in one and 10/11 in the other give +-0.71 each, not a mix around 5.5."""
+    from dataclasses import replace
+
+    from trainer.config import TrainerSettings
+    from trainer.step import advantages_for
+
+    rows = synthetic_rows(n_groups=1, group_size=4)
+    for i, r in enumerate(rows):
+        r.reward = [0.0, 1.0, 10.0, 11.0][i]
+        r.turn_rewards = r.turn_returns = np.array([r.reward])
+    rows = [replace(r, group_key="k1" if i < 2 else "k2") for i, r in enumerate(rows)]
+    adv, metrics = advantages_for(rows, TrainerSettings())
+    assert adv.tolist() == pytest.approx([-0.7071, 0.7071, -0.7071, 0.7071], abs=1e-3)
+    assert metrics["adv/groups"] == 2.0
+    assert data.split_by_group(rows, 2) == [[0, 1], [2, 3]]
+    assert [g["group_key"] for g in data.describe_batch(rows, None)["batch/reward_spread"]] == ["k1", "k2"]
+
+
+def test_collate_carries_each_tokens_temperature():
+    rows = synthetic_rows(n_groups=1, group_size=2)
+    rows[0].turn_temperatures = np.array([0.7], dtype=np.float32)
+    micro = data.collate(rows, [0, 1], torch.zeros(2))
+    n = rows[0].num_tokens
+    want = torch.from_numpy(np.where(rows[0].loss_mask[1:] == 1, 0.7, 1.0).astype(np.float32))
+    assert torch.equal(micro.temperature[0, : n - 1], want)
+    assert torch.all(micro.temperature[1] == 1.0)
+
+
+def test_packed_and_padded_logprobs_agree_under_per_token_temperatures(tiny_model_dir):
+    """The packed LM-head path (trainer.packing) and the padded one divide each token's logits by its own
+    temperature, forward and backward alike."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model import token_logprobs
+    from trainer.packing import packed_logprobs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    rows = synthetic_rows(n_groups=1, group_size=3, vocab=500)
+    for i, r in enumerate(rows):
+        r.turn_temperatures = np.array([0.6 + 0.4 * i], dtype=np.float32)
+    m = data.collate(rows, [0, 1, 2], torch.zeros(3))
+    temp = m.temperature
+    mask = m.loss_mask.bool()
+    padded, _ = token_logprobs(model, m.input_ids, m.attention_mask, temperature=temp)
+    packed, _ = packed_logprobs(model, m.input_ids, m.attention_mask, m.loss_mask, temperature=temp)
+    assert torch.allclose(padded[mask], packed[mask], atol=1e-5)
+    plain, _ = token_logprobs(model, m.input_ids, m.attention_mask)
+    assert not torch.allclose(plain[mask], padded[mask], atol=1e-3)
+    g1 = torch.autograd.grad(padded[mask].sum(), model.lm_head.weight)[0]
+    g2 = torch.autograd.grad(packed[mask].sum(), model.lm_head.weight)[0]
+    assert torch.allclose(g1, g2, atol=1e-5)
