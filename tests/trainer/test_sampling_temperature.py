@@ -3,7 +3,7 @@
 Real path: the embedded engine on the tiny model (its own process) -> a gateway process -> the real
 ``openai`` SDK at temperature 0.7 and 1.3 -> the recorded turns exported with ``agentrl.trajectory`` and
 sent through the binary wire format -> ``trainer.data.collate`` -> ``trainer.model.token_logprobs`` on the
-same weights. Same version, so the gap must be ~0; plain temperature-1 logprobs (the old behaviour) are
+same weights, packed (as ``train_step`` does) and padded. Same version, so the gap must be ~0; plain temperature-1 logprobs (the old behaviour) are
 far off, which shows the check can fail.
 """
 
@@ -20,6 +20,7 @@ from agentrl.trajectory import decode_batch, encode_batch, export_session, turn_
 from gateway.store import Store
 from trainer.data import collate
 from trainer.model import token_logprobs
+from trainer.step import micro_logprobs
 
 
 async def _rows(db: str, session_ids: list[str]) -> list:
@@ -38,11 +39,12 @@ def _gaps(model: torch.nn.Module, rows: list) -> tuple[float, float]:
     """Mean |trainer - engine| logprob on generated tokens: under the exported temperatures, and at T=1."""
     micro = collate(rows, list(range(len(rows))), torch.zeros(len(rows)))
     with torch.no_grad():
-        scaled, _ = token_logprobs(model, micro.input_ids, micro.attention_mask, temperature=micro.temperature)
+        scaled, _ = micro_logprobs(model, micro, packing=True)  # what train_step computes
+        padded, _ = micro_logprobs(model, micro, packing=False)
         plain, _ = token_logprobs(model, micro.input_ids, micro.attention_mask)
     mask = micro.loss_mask.bool()
     assert int(mask.sum()) > 20
-    gap = (scaled - micro.behaviour).abs()[mask].mean().item()
+    gap = max((scaled - micro.behaviour).abs()[mask].mean().item(), (padded - micro.behaviour).abs()[mask].mean().item())
     plain_gap = (plain - micro.behaviour).abs()[mask].mean().item()
     return gap, plain_gap
 
