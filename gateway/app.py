@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from redis.exceptions import RedisError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,7 +35,7 @@ from gateway.errors import (
     GatewayError,
     InvalidRequest,
     NotFound,
-    Overloaded,
+    StoreUnavailable,
     anthropic_error_body,
     error_body,
     from_chat_error,
@@ -46,6 +47,7 @@ from gateway.routes import routers
 from gateway.settings import GatewaySettings
 from gateway.store import Store
 from gateway.store import errors as store_errors
+from gateway.store.dberrors import translate
 
 log = logging.getLogger("agentrl.gateway")
 
@@ -59,8 +61,21 @@ def _anthropic_route(request: Request | None) -> bool:
 def _render(exc: GatewayError, request: Request | None = None) -> JSONResponse:
     """The error response, in Anthropic's shape on the Messages routes and OpenAI's everywhere else."""
     status, body = anthropic_error_body(exc) if _anthropic_route(request) else error_body(exc)
-    headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if isinstance(exc, Overloaded) else None
+    retry = exc.retry_after_s
+    headers = {"Retry-After": str(max(1, round(retry)))} if retry is not None else None
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def dependency_outage(exc: BaseException) -> StoreUnavailable | None:
+    """The 503 for an outage of Redis or the database that escaped translation where it entered, or None
+    for anything else (a bug: 500). Nothing was recorded for a request that fails this way: every write
+    that completes a response commits before the response is built, and post-commit steps never raise."""
+    if isinstance(exc, RedisError):
+        return StoreUnavailable(f"Redis is unavailable: {exc}")
+    translated = translate(exc)
+    if isinstance(translated, store_errors.StoreUnavailable):
+        return StoreUnavailable(f"the conversation store is unavailable: {translated}")
+    return None
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -92,6 +107,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _render(InvalidRequest(f"invalid request: {exc}"), request)
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        outage = dependency_outage(exc)
+        if outage is not None:
+            log.warning("%s %s: %s", request.method, request.url.path, outage.message)
+            return _render(outage, request)
         log.exception("unhandled error", exc_info=exc)
         return _render(GatewayError("internal error; see the gateway's log"), request)
 

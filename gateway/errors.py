@@ -10,9 +10,9 @@
     ├── NotFound                      404     not_found_error         not_found
     ├── Conflict                      409     conflict_error          conflict
     ├── PayloadTooLarge               413     invalid_request_error   payload_too_large
-    ├── Overloaded                    429     rate_limit_error        staleness_budget  (carries retry_after_s)
+    ├── Overloaded                    429     rate_limit_error        staleness_budget  (Retry-After)
     ├── EngineError                   502     upstream_error          engine_error
-    └── Unavailable                   503     service_unavailable     unavailable
+    └── Unavailable                   503     service_unavailable     unavailable  (Retry-After: 1)
         ├── EngineUnavailable         503     service_unavailable     engine_unavailable
         └── StoreUnavailable          503     service_unavailable     store_unavailable
 
@@ -40,6 +40,7 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     default_code: ClassVar[str] = "internal_error"
+    retry_after_s: float | None = None  # sent as Retry-After: the client may retry this very request
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -91,7 +92,10 @@ class EngineError(GatewayError):
 
 
 class Unavailable(GatewayError):
+    """A dependency (engine, database, Redis) cannot serve now; nothing of the request was recorded."""
+
     status, type, default_code = 503, "service_unavailable", "unavailable"
+    retry_after_s = 1.0
 
 
 class EngineUnavailable(Unavailable):

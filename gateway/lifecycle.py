@@ -43,6 +43,8 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from agentrl import defaults
 from agentrl.settings import SettingsError
 from agentrl.trajectory import (
@@ -152,35 +154,84 @@ class InFlight:
     """Turns in flight per session, so that lifecycle decisions never cut a turn off.
 
     The generation path wraps each engine call in ``async with inflight.track(session_id)``. With Redis,
-    entries are shared between replicas (a sorted set per session, scored by expiry, so a crashed replica's
-    entries age out after ``ttl_s``); otherwise they live in this process."""
+    entries are shared between replicas: a sorted set per session whose members are scored by expiry. The
+    expiry is short (``ttl_s``, 30 s) and this replica pushes it forward every ``ttl_s / 3`` while the turn
+    runs (:meth:`refresh`, run by the lifecycle loop's companion task), so the markers of a replica that
+    was killed (kill -9, OOM) lapse within ``ttl_s`` and its sessions are idle-finished and exported as
+    usual. Without Redis they live in this process (and die with it).
 
-    def __init__(self, redis: Any | None = None, *, prefix: str = "agentrl:", ttl_s: float = 3600.0) -> None:
+    Redis down: starting a turn fails with ``StoreUnavailable`` (503, nothing recorded yet); ending one
+    never fails (the turn is already recorded; its marker lapses by itself)."""
+
+    def __init__(self, redis: Any | None = None, *, prefix: str = "agentrl:", ttl_s: float = 30.0) -> None:
         self.redis = redis
         self.prefix = prefix
         self.ttl_s = ttl_s
         self._local: dict[str, int] = defaultdict(int)
+        self._members: dict[str, str] = {}  # Redis member -> session id, for the turns of this replica
+        self._refresher: asyncio.Task[None] | None = None
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}inflight:{session_id}"
 
     @asynccontextmanager
     async def track(self, session_id: str) -> AsyncIterator[None]:
-        self._local[session_id] += 1
         member = uuid.uuid4().hex
         if self.redis is not None:
-            await self.redis.zadd(self._key(session_id), {member: time.time() + self.ttl_s})
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.zadd(self._key(session_id), {member: time.time() + self.ttl_s})
+                    pipe.expire(self._key(session_id), int(self.ttl_s * 4) + 1)
+                    await pipe.execute()
+            except RedisError as exc:
+                raise errors.StoreUnavailable(f"Redis failed (in-flight marker): {exc}") from exc
+            self._members[member] = session_id
+            self._start_refresher()
+        self._local[session_id] += 1
         try:
             yield
         finally:
             self._local[session_id] -= 1
             if not self._local[session_id]:
                 del self._local[session_id]
-            if self.redis is not None:
-                await self.redis.zrem(self._key(session_id), member)
+            if self._members.pop(member, None) is not None:
+                try:
+                    await self.redis.zrem(self._key(session_id), member)
+                except RedisError as exc:
+                    log.warning("in-flight marker of session %s not removed (lapses in %.0fs): %s",
+                                session_id, self.ttl_s, exc)
+
+    def _start_refresher(self) -> None:
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.create_task(self._refresh_loop(), name="agentrl-inflight-refresh")
+
+    async def _refresh_loop(self) -> None:
+        while self._members:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                await self.refresh()
+            except RedisError as exc:
+                log.warning("in-flight markers not refreshed: %s", exc)
+
+    async def refresh(self) -> None:
+        """Push the expiry of this replica's live markers forward (they lapse ``ttl_s`` after its death)."""
+        if self.redis is None or not self._members:
+            return
+        expiry = time.time() + self.ttl_s
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for member, session_id in list(self._members.items()):
+                pipe.zadd(self._key(session_id), {member: expiry}, xx=True)
+                pipe.expire(self._key(session_id), int(self.ttl_s * 4) + 1)
+            await pipe.execute()
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+            self._refresher = None
 
     async def busy(self, session_ids: Sequence[str]) -> set[str]:
-        """The sessions among ``session_ids`` that have a turn in flight."""
+        """The sessions among ``session_ids`` that have a turn in flight (on a live replica)."""
         out = {s for s in session_ids if self._local.get(s)}
         if self.redis is not None and session_ids:
             now = time.time()
@@ -302,6 +353,7 @@ class TrajectoryService:
                 if current is not None and current.cancelling():
                     raise  # our caller was cancelled, not (only) the loop
             self._task = None
+        await self.inflight.close()
         await self.queue.close()
 
     def notify(self) -> None:

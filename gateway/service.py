@@ -317,8 +317,12 @@ class GenerationService:
             await store.record_interactions(rows)
         except store_errors.StoreError as exc:
             raise from_store_error(exc) from exc
-        if plan.implicit:
-            await self.svc.implicit.add([(row.chain_hash, row.session_id) for row in rows])
+        if plan.implicit:  # committed: from here on nothing may turn the answer into an error (a retry
+            try:           # would record a duplicate sibling); a turn missing from the index starts a root
+                await self.svc.implicit.add([(row.chain_hash, row.session_id) for row in rows])
+            except GatewayError as exc:
+                log.warning("implicit-episode index not updated after commit (%s); a follow-up of these "
+                            "turns will start a new episode", exc.message)
         metrics.record_seconds.observe(time.perf_counter() - started)
         metrics.interactions.labels("root" if plan.parent is None else "child").inc(len(rows))
         if plan.root_reason is not None:

@@ -11,8 +11,30 @@ from sqlalchemy import exc as sa_exc
 from gateway.store.errors import Conflict, InvalidValue, StoreError, StoreUnavailable
 
 
+# SQLSTATE classes that mean "the server cannot serve now, try again": connection exceptions (08),
+# insufficient resources (53: too many connections), operator intervention (57P01 admin shutdown, 57P02
+# crash shutdown, 57P03 cannot connect now: starting up), and transaction rollbacks on conflicts (40).
+_UNAVAILABLE_SQLSTATE_PREFIXES = ("08", "53", "57P", "40")
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    """The PostgreSQL SQLSTATE of a driver error (asyncpg's error, or SQLAlchemy's adapter around it)."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return None
+        code = getattr(seen, "sqlstate", None) or getattr(seen, "pgcode", None)
+        if isinstance(code, str) and code:
+            return code
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return None
+
+
 def translate(exc: BaseException) -> StoreError | None:
     """The store error for a database exception, or None when it is a bug to let through unchanged."""
+    code = _sqlstate(exc)
+    if code is not None and code.startswith(_UNAVAILABLE_SQLSTATE_PREFIXES):
+        return StoreUnavailable(f"database unavailable (SQLSTATE {code}): {exc}")
     if isinstance(exc, sa_exc.IntegrityError):
         return Conflict(f"the database refused the write: {exc.orig}")
     if isinstance(exc, sa_exc.DataError):
@@ -33,7 +55,7 @@ async def db_errors() -> AsyncIterator[None]:
     """Re-raise database exceptions raised in the block as StoreError (``raise ... from exc``)."""
     try:
         yield
-    except (sa_exc.SQLAlchemyError, OSError, asyncio.TimeoutError) as exc:
+    except Exception as exc:  # noqa: BLE001 - translated or re-raised unchanged (a bug stays a bug)
         err = translate(exc)
         if err is None:
             raise

@@ -1,0 +1,51 @@
+"""In-flight markers are tied to the liveness of the replica that set them (real Redis, isolated prefix)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.errors import StoreUnavailable
+from gateway.lifecycle import InFlight
+from tests.conftest import REDIS_URL, free_port
+
+
+async def test_markers_live_while_their_replica_does_and_lapse_after_it_dies(redis_prefix: str) -> None:
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        replica = InFlight(client, prefix=redis_prefix, ttl_s=0.6)
+        other = InFlight(client, prefix=redis_prefix, ttl_s=0.6)  # another replica's lifecycle asks
+        turn = replica.track("s-live")
+        await turn.__aenter__()
+        await asyncio.sleep(1.5)  # > ttl: the live replica keeps its marker fresh
+        assert await other.busy(["s-live"]) == {"s-live"}
+        await turn.__aexit__(None, None, None)
+        assert await other.busy(["s-live"]) == set()
+
+        crashed = replica.track("s-crashed")
+        await crashed.__aenter__()  # kill -9: the turn never ends and nobody refreshes its marker
+        await replica.close()
+        assert await other.busy(["s-crashed"]) == {"s-crashed"}
+        await asyncio.sleep(1.0)
+        assert await other.busy(["s-crashed"]) == set()
+    finally:
+        await client.aclose()
+
+
+async def test_redis_down_refuses_a_new_turn_with_503_and_never_fails_an_ending_one(redis_prefix: str) -> None:
+    client = aioredis.Redis.from_url(REDIS_URL)
+    dead = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    try:
+        inflight = InFlight(client, prefix=redis_prefix, ttl_s=5)
+        async with inflight.track("s"):
+            inflight.redis = dead  # Redis goes away while the turn runs: ending it must not raise
+        assert await InFlight(client, prefix=redis_prefix).busy(["s"]) == {"s"}  # lapses within ttl
+        with pytest.raises(StoreUnavailable):
+            async with inflight.track("s2"):
+                pass
+        await inflight.close()
+    finally:
+        await client.aclose()
+        await dead.aclose()

@@ -1,0 +1,101 @@
+"""Dependency outages under load: 503 with Retry-After, never 500, and no duplicate siblings after the
+client retries. Redis is a private ``redis-server`` on a free port (the machine's own stays untouched)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.conftest import free_port
+from tests.gateway.test_openai_inprocess import AGENT, make_gw, tokenizer  # noqa: F401 (fixtures)
+
+
+class PrivateRedis:
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=self.port).ping():
+                    return
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise RuntimeError("private redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = PrivateRedis(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_redis_restart_under_load_gives_503s_never_500s_and_no_duplicate_siblings(
+        make_gw: Any, private_redis: PrivateRedis) -> None:
+    async with make_gw(["ok"], redis=private_redis.url, redis_prefix="outage:") as gw:
+        statuses: Counter[int] = Counter()
+        stop = asyncio.Event()
+
+        async def agent(i: int) -> int:
+            """One conversation, each turn retried on 503 as an SDK would, until the outage is over."""
+            sess = await gw.session(group_id=f"g{i}")
+            messages: list[dict[str, Any]] = [{"role": "user", "content": f"agent {i}"}]
+            turns = 0
+            while not stop.is_set() or turns < 3:
+                resp = await gw.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 3},
+                                     key=sess["api_key"])
+                statuses[resp.status_code] += 1
+                if resp.status_code == 503:
+                    assert resp.headers.get("retry-after"), resp.headers
+                    await asyncio.sleep(0.05)
+                    continue  # retried with the same messages
+                assert resp.status_code == 200, resp.text
+                messages += [resp.json()["choices"][0]["message"], {"role": "user", "content": f"more {turns}"}]
+                turns += 1
+            rows = await gw.store.session_interactions(session_id=sess["session_id"])
+            keys = Counter((r.parent_id, r.request_hash) for r in rows)
+            assert max(keys.values()) == 1, "a retried turn was recorded twice"
+            assert len(rows) == turns
+            return turns
+
+        agents = [asyncio.ensure_future(agent(i)) for i in range(4)]
+        await asyncio.sleep(0.5)
+        private_redis.stop()
+        await asyncio.sleep(1.5)
+        private_redis.start()
+        await asyncio.sleep(1.0)
+        stop.set()
+        done = await asyncio.wait_for(asyncio.gather(*agents), 120)
+        assert statuses[500] == 0 and statuses[503] > 0, statuses  # the outage was seen, as 503s only
+        assert sum(done) >= 12 and statuses[200] == sum(done)
