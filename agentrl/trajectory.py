@@ -36,7 +36,8 @@ Rewards are discounted along each root-to-leaf path only, so sibling branches ne
 
 Retries: a leaf turn whose ``request_hash`` equals that of another turn of the session that has children
 (the agent re-sent the same messages and continued from the other answer) is an abandoned retry; it is
-dropped from both export modes.
+dropped from both export modes. The ``n`` choices of one request (same ``request_id``) are samples, not
+retries: all of them are kept, whichever was continued.
 
 The binary batch layout is documented at :func:`encode_batch` and in ``docs/export.md``.
 """
@@ -85,6 +86,7 @@ class Turn:
     reward: float | None = None
     request_hash: str = ""
     created_at: float = 0.0
+    request_id: str = ""  # shared by the n choices of one request ("" = the turn's own id)
     temperature: float = 1.0  # effective: greedy (0) is recorded as 1, the distribution engines report
     top_p: float = 1.0
     top_k: int = -1
@@ -122,6 +124,7 @@ def turn_from_interaction(record: Any) -> Turn:
         reward=record.reward,
         request_hash=record.request_hash,
         created_at=record.created_at,
+        request_id=str((getattr(record, "request", None) or {}).get("request_id") or ""),
         **sampling_of(getattr(record, "request", None)),
     )
 
@@ -209,10 +212,17 @@ def _children_index(turns: Sequence[Turn]) -> tuple[dict[str, Turn], dict[str | 
 
 
 def abandoned_retries(turns: Sequence[Turn]) -> set[str]:
-    """Ids of leaf turns abandoned in favour of a retry of the same request that was continued."""
+    """Ids of leaf turns abandoned in favour of a retry of the same request that was continued.
+
+    A retry is another *request* with the same messages: the ``n`` choices of one request (same
+    ``request_id``) are samples, siblings that are all kept whichever of them was continued."""
     _, children = _children_index(turns)
-    continued_hashes = {t.request_hash for t in turns if t.request_hash and children.get(t.id)}
-    return {t.id for t in turns if not children.get(t.id) and t.request_hash in continued_hashes}
+    continued: dict[str, set[str]] = {}
+    for t in turns:
+        if t.request_hash and children.get(t.id):
+            continued.setdefault(t.request_hash, set()).add(t.request_id or t.id)
+    return {t.id for t in turns if not children.get(t.id) and t.request_hash in continued
+            and (t.request_id or t.id) not in continued[t.request_hash]}
 
 
 def _kept_tree(turns: Sequence[Turn]) -> tuple[dict[str, Turn], dict[str | None, list[Turn]]]:

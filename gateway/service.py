@@ -305,6 +305,8 @@ class GenerationService:
                 assert res is not None
                 request = dict(plan.request)
                 request["params"] = {**plan.request["params"], **({"seed": run.seed} if run.seed is not None else {})}
+                # the choices of one request share this (siblings, all trained); a re-sent request does not
+                request["request_id"] = runs[0].id
                 rows.append(Interaction(
                     id=run.id, session_id=sid, parent_id=plan.parent.id if plan.parent else None,
                     request=request, response_message=res.message(), prompt_ids=plan.recorded_prompt,

@@ -255,6 +255,13 @@ async def test_n4_makes_four_siblings_and_retry_makes_two(make_gw: Any) -> None:
             max_tokens=20)
         tc = await gw.store.get_interaction(interaction_id=c.id)
         assert tc.parent_id == tb.id
+        # Export: the unchosen choices 0, 1, 3 are samples of the same request, kept with the continued
+        # branch; only `a`, a separate request with the same messages that was not continued, is dropped.
+        from agentrl.trajectory import export_concat, turn_from_interaction
+
+        rows = export_concat([turn_from_interaction(t) for t in await interactions(gw, sess["session_id"])],
+                             gamma=1.0)
+        assert sorted(r.leaf_id for r in rows) == sorted([ids[0], ids[1], ids[3], c.id])
 
 
 async def test_stop_string_cuts_text_and_child_gets_bridge(make_gw: Any) -> None:
