@@ -3,8 +3,9 @@
     agentrl eval --agent my_agent:episode --checkpoint runs/x/trainer/step_000004 --dataset eval.jsonl
 
 Runs your episode function (docs/own-agent.md) greedily (``client.temperature`` is 0) ``--repeats`` times
-on every task, first on the base model (``--model``), then on the checkpoint, each behind its own embedded
-engine and gateway (evaluation sessions are recorded, never trained on). Reports each model's mean reward
+on every task, first on the base model (``--model``), then on the checkpoint, behind one embedded engine
+and gateway: the checkpoint's weights are loaded into the engine between the two (``/update_weights_from_disk``,
+so the checkpoint must be of the base model's architecture). Evaluation sessions are recorded, never trained on. Reports each model's mean reward
 with a 95% confidence interval and the paired difference (checkpoint - base, per task) with its own; the
 difference is significant when its interval excludes 0. ``--checkpoint base`` evaluates the base model only.
 Writes ``eval.json`` in ``--out-dir``.
@@ -139,14 +140,17 @@ def evaluate(settings: EvalSettings) -> dict[str, Any]:
     if settings.checkpoint != "base":
         runs["checkpoint"] = str(Path(settings.checkpoint).resolve())
     results: dict[str, dict[str, Any]] = {}
-    for name, model in runs.items():
-        print(f"[agentrl eval] {name}: {model} on {len(tasks)} tasks x {settings.repeats}", flush=True)
-        summary = _run_on(model, fn, tasks, settings, out / name)
-        rewards = summary.pop("task_rewards")
-        results[name] = {"model": model, "reward": mean_ci(list(task_means(rewards).values())),
-                         "failed": summary["failed"], "episodes": summary["episodes"], "task_rewards": rewards}
-        print(f"[agentrl eval] {name}: mean reward {results[name]['reward']['mean']} "
-              f"(95% CI {results[name]['reward']['ci95']}), {summary['failed']} failed", flush=True)
+    with _Stack(settings, out) as stack:
+        for name, model in runs.items():
+            print(f"[agentrl eval] {name}: {model} on {len(tasks)} tasks x {settings.repeats}", flush=True)
+            if name == "checkpoint":
+                stack.load_weights(model)
+            summary = stack.run(fn, tasks, model)
+            rewards = summary.pop("task_rewards")
+            results[name] = {"model": model, "reward": mean_ci(list(task_means(rewards).values())),
+                             "failed": summary["failed"], "episodes": summary["episodes"], "task_rewards": rewards}
+            print(f"[agentrl eval] {name}: mean reward {results[name]['reward']['mean']} "
+                  f"(95% CI {results[name]['reward']['ci95']}), {summary['failed']} failed", flush=True)
     report: dict[str, Any] = {"agent": settings.agent, "dataset": settings.dataset, "tasks": len(tasks),
                               "repeats": settings.repeats, **results, "settings": asdict(settings)}
     if "checkpoint" in results:
@@ -156,26 +160,58 @@ def evaluate(settings: EvalSettings) -> dict[str, Any]:
     return report
 
 
-def _run_on(model: str, fn: Any, tasks: list[dict[str, Any]], settings: EvalSettings, out: Path) -> dict[str, Any]:
-    """One engine + gateway serving ``model``; the tasks run as evaluation episodes through it."""
-    from agentrl.episodes import run_episodes
-    from agentrl.procs import Processes
-    from agentrl.up import _free_port
+class _Stack:
+    """One embedded engine (serving the base model) and one gateway, stopped on exit."""
 
-    key = secrets.token_urlsafe(16)
-    with Processes(out / "logs") as procs:
+    def __init__(self, settings: EvalSettings, out: Path) -> None:
+        from agentrl.procs import Processes
+
+        self.settings = settings
+        self.out = out
+        self.key = secrets.token_urlsafe(16)
+        self.procs = Processes(out / "logs")
+
+    def __enter__(self) -> _Stack:
+        from agentrl.up import _free_port
+
         eport, gport = _free_port(), _free_port()
-        engine = procs.start_agentrl("engine", ["engine", "--model", model, "--port", str(eport),
-                                                "--device", settings.device])
-        procs.wait_healthy(engine, f"http://127.0.0.1:{eport}/health", timeout_s=600)
-        gateway = procs.start_agentrl("gateway", [
-            "gateway", "--engine-url", f"http://127.0.0.1:{eport}", "--port", str(gport), "--admin-key", key,
-            "--db", f"sqlite+aiosqlite:///{out / 'gateway.db'}"])
-        url = f"http://127.0.0.1:{gport}"
-        procs.wait_healthy(gateway, url + "/health", timeout_s=300)
-        return asyncio.run(run_episodes(fn, tasks, gateway=url, key=key, group_size=settings.repeats, eval=True,
-                                        temperature=settings.temperature, concurrency=settings.concurrency,
-                                        metadata={"agent": settings.agent, "model": model}))
+        self.engine_url, self.url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
+        try:
+            engine = self.procs.start_agentrl("engine", ["engine", "--model", self.settings.model, "--port",
+                                                         str(eport), "--device", self.settings.device])
+            self.procs.wait_healthy(engine, self.engine_url + "/health", timeout_s=600)
+            gateway = self.procs.start_agentrl("gateway", [
+                "gateway", "--engine-url", self.engine_url, "--port", str(gport), "--admin-key", self.key,
+                "--db", f"sqlite+aiosqlite:///{self.out / 'gateway.db'}"])
+            self.procs.wait_healthy(gateway, self.url + "/health", timeout_s=300)
+        except BaseException:
+            self.procs.stop_all()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.procs.stop_all()
+
+    def load_weights(self, checkpoint: str) -> None:
+        """The checkpoint's weights into the idle engine (as the trainer's disk push does)."""
+        from agentrl.procs import ChildFailed
+
+        import httpx
+
+        r = httpx.post(self.engine_url + "/update_weights_from_disk",
+                       json={"model_path": checkpoint, "weight_version": "1"}, timeout=600)
+        body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+        if r.status_code != 200 or not body.get("success"):
+            raise ChildFailed(f"the engine could not load {checkpoint} over {self.settings.model} "
+                              f"({body.get('message') or r.text[:300]}); is --model the checkpoint's base model?")
+
+    def run(self, fn: Any, tasks: list[dict[str, Any]], model: str) -> dict[str, Any]:
+        from agentrl.episodes import run_episodes
+
+        return asyncio.run(run_episodes(fn, tasks, gateway=self.url, key=self.key, group_size=self.settings.repeats,
+                                        eval=True, temperature=self.settings.temperature,
+                                        concurrency=self.settings.concurrency,
+                                        metadata={"agent": self.settings.agent, "model": model}))
 
 
 def format_report(report: dict[str, Any]) -> str:

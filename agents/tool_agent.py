@@ -14,8 +14,11 @@ Point it at the gateway exactly like the math agent (see `agents.math_agent`), w
     price_tool = Tool("lookup_price", "Price of one item in dollars",
                       {"type": "object", "properties": {"item": {"type": "string"}}, "required": ["item"]},
                       lookup_price)
-    episode = await run_tool_agent(client, sample, model="default", tools=[price_tool],
-                                   rewards=GatewayRewards(gateway, session["api_key"]))
+    # e: an agentrl.client.AsyncEpisode of a reserved group
+    async def post(response_id, reward):
+        await e.reward(reward, response_id=response_id)
+
+    episode = await run_tool_agent(e.async_openai(), sample, model=e.model, tools=[price_tool], rewards=post)
 
 Tool functions may be plain or ``async``; plain ones run in a thread so a slow tool does not block others.
 Whatever a tool returns is sent back as text (JSON for non-strings); an exception becomes ``"error: ..."``.
