@@ -22,7 +22,7 @@ def admin(gw) -> httpx.Client:
     return httpx.Client(base_url=gw.base_url, headers={"Authorization": f"Bearer {gw.admin_key}"}, timeout=60)
 
 
-async def test_group_runs_rewards_and_finishes_through_a_real_gateway(gateway_factory):  # noqa: F811
+async def test_group_runs_rewards_and_finishes_through_a_real_gateway(gateway_factory, caplog):  # noqa: F811
     gw = gateway_factory()
     async with AsyncGateway(gw.base_url, gw.admin_key) as client:
         async with client.group("task-a", size=2) as group:
@@ -42,6 +42,11 @@ async def test_group_runs_rewards_and_finishes_through_a_real_gateway(gateway_fa
             assert session["task_id"] == "task-a" and session["reward"] == 1.0
             assert [(n["id"], n["reward"]) for n in tree["roots"]] == [(response_id, 0.25)]
     assert [e.status for e in group] == ["finished", "finished"]
+    assert "no POST /v1/groups" not in caplog.text  # reserved whole, not one session at a time
+    with admin(gw) as http:
+        described = http.get(f"/v1/groups/{group.group_id}").json()
+    assert described["size"] == 2 and sorted(s["session_id"] for s in described["sessions"]) == \
+        sorted(e.session_id for e in group)
 
     # a finished session's model calls are refused (409), through the episode's own SDK client
     with pytest.raises(openai.ConflictError):
@@ -49,7 +54,7 @@ async def test_group_runs_rewards_and_finishes_through_a_real_gateway(gateway_fa
             model=group[0].model, messages=HELLO, max_tokens=2)
 
 
-def test_budget_429_is_waited_out_and_a_trained_session_refuses_rewards(gateway_factory):  # noqa: F811
+def test_budget_429_is_waited_out_and_a_trained_session_refuses_rewards(gateway_factory, caplog):  # noqa: F811
     gw = gateway_factory(extra_args=["--retry-after-s", "1"])
     with admin(gw) as http, Gateway(gw.base_url, gw.admin_key, admission_wait_s=120) as client:
         # budget: (k + v + 1) x B x G = (0 + 0 + 1) x 1 x 2 = 2 sessions
@@ -75,6 +80,7 @@ def test_budget_429_is_waited_out_and_a_trained_session_refuses_rewards(gateway_
         second = client.group("t2", size=2)
         stepper.join()
         assert client.counters.backoffs_429 >= 1 and len(second) == 2
+        assert "no POST /v1/groups" not in caplog.text
 
         # the first group is trained on (leased and acknowledged): its sessions take no more rewards
         resp = http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 20}, timeout=60)
@@ -83,3 +89,17 @@ def test_budget_429_is_waited_out_and_a_trained_session_refuses_rewards(gateway_
         with pytest.raises(SessionNotActive) as info:
             first[0].reward(0.5)
         assert info.value.status == 409
+
+
+async def test_an_error_in_the_block_abandons_the_group_on_the_gateway(gateway_factory):  # noqa: F811
+    gw = gateway_factory()
+    async with AsyncGateway(gw.base_url, gw.admin_key) as client:
+        with pytest.raises(RuntimeError, match="agent crashed"):
+            async with client.group("task-b", size=3) as group:
+                async with group[0]:
+                    pass  # finished
+                raise RuntimeError("agent crashed")
+        described = await client.group_status(group.group_id)
+    statuses = {s["session_id"]: s["status"] for s in described["sessions"]}
+    assert statuses[group[1].session_id] == statuses[group[2].session_id] == "abandoned"
+    assert [e.status for e in group] == ["finished", "abandoned", "abandoned"]
