@@ -61,10 +61,12 @@ class UpSettings:
     engine_url: str = field(default="", metadata={"help": "use this SGLang/embedded engine instead of starting one"})
     device: str = field(default="cpu", metadata={"help": "device of the embedded engine and trainer", "choices": ("cpu", "cuda")})
     engine_max_running: int = field(default=64, metadata={"help": "the embedded engine's --max-running-requests (decode batch); on a GPU raise it with --concurrency, e.g. 128"})
-    sync_mode: str = field(default="disk", metadata={"help": "weight sync: disk, broadcast or tensor (CUDA IPC handles; engine and trainer on one GPU)", "choices": ("disk", "broadcast", "tensor")})
+    sync_mode: str = field(default="auto", metadata={"help": "weight sync: disk, broadcast, tensor (CUDA IPC handles; engine and trainer on one GPU) or auto (tensor with --device cuda and the embedded engine, else disk)", "choices": ("auto", "disk", "broadcast", "tensor")})
     step_timeout_s: float = field(default=900.0, metadata={"help": "give up when one step takes longer than this"})
 
     def validate(self) -> None:
+        if self.sync_mode == "auto":  # colocated on one GPU: weights by CUDA IPC handles, no copy through disk
+            self.sync_mode = "tensor" if self.device == "cuda" and not self.engine_url else "disk"
         if self.quick:
             self.steps = min(self.steps, 2)
             self.batch_groups = min(self.batch_groups, 2)

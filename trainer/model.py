@@ -3,7 +3,8 @@
 Under ``torchrun`` every rank joins the default process group (NCCL on GPUs with gloo for CPU-side
 objects, gloo on CPUs); a plain ``python -m trainer`` / ``agentrl train`` joins a one-process group, so the
 sharded code path is the only one. Each decoder layer is one FSDP2 unit (``fully_shard``) and the root
-(embeddings, final norm, tied LM head) another.
+(embeddings, final norm, tied LM head) another; with one rank the root is the only unit (nothing to shard,
+fewer hooks per step).
 """
 
 from __future__ import annotations
@@ -99,16 +100,19 @@ def compile_body(model: torch.nn.Module) -> None:
 
 
 def shard(model: torch.nn.Module, *, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """FSDP2: one unit per decoder layer, plus the root (embeddings, norm, tied LM head)."""
+    """FSDP2: one unit per decoder layer, plus the root (embeddings, norm, tied LM head); one rank: the root only."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    # One rank has nothing to free by resharding after forward: keep the gathered (cast) weights for backward.
-    reshard = dist.get_world_size() > 1 if dist.is_initialized() else True
-    for layer in layers:
-        fully_shard(layer, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=policy, reshard_after_forward=reshard)
+    # One rank has nothing to free by sharding per layer or resharding after forward: one unit (the root)
+    # gathers and casts all weights once per step and reduces all gradients once, instead of 4 hooks and
+    # their copies per layer (the step on one GPU is bound by launching kernels, see docs/trainer.md).
+    several = dist.get_world_size() > 1 if dist.is_initialized() else True
+    if several:
+        for layer in layers:
+            fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=several)
     return model
 
 

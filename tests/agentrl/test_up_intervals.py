@@ -22,3 +22,16 @@ def test_eval_summary_adds_intervals_over_the_prompts_run():
     assert out["prompts"] == 20
     assert out["accuracy_final_ci95"] == list(wilson_interval(15, 20))
     assert out["accuracy_turn1_ci95"][0] < 0.5 < out["accuracy_turn1_ci95"][1]
+
+
+@pytest.mark.parametrize("device, engine_url, expected", [("cuda", "", "tensor"), ("cpu", "", "disk"),
+                                                           ("cuda", "http://sglang:30000", "disk")])
+def test_up_sync_mode_auto_is_tensor_only_when_colocated_on_a_gpu(device, engine_url, expected, tmp_path):
+    from agentrl.up import UpSettings
+
+    settings = UpSettings(device=device, engine_url=engine_url, out_dir=str(tmp_path))
+    settings.validate()
+    assert settings.sync_mode == expected
+    explicit = UpSettings(device=device, engine_url=engine_url, out_dir=str(tmp_path), sync_mode="disk")
+    explicit.validate()
+    assert explicit.sync_mode == "disk"
