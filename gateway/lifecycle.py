@@ -16,10 +16,12 @@ A background loop (one per gateway; with Redis, one leader among replicas) does,
    back to the staleness budget.
    A finished session with a turn still in flight is left out of a group until that turn has ended, so
    that one slow turn never blocks the queue.
-3. **Export.** The group's sessions are marked consumed (compare-and-set from finished: from then on a
-   reward for them answers 409, and no other replica exports them), their turn trees are exported with
-   :mod:`agentrl.trajectory` (concat or individual), and the group is put on the trajectory queue as one
-   entry. Sessions that yield no rows give their staleness budget back.
+3. **Export, at least once.** The group's turn trees are exported with :mod:`agentrl.trajectory`
+   (concat or individual); then one transaction marks its sessions consumed (compare-and-set from finished
+   at the version read: from then on a reward for them answers 409, and no other replica exports them)
+   and stages the group on the queue, which publishes it after the commit; a group staged by an exporter
+   that died before publishing is published by the next tick's sweep. Sessions that yield no rows give
+   their staleness budget back.
 4. **Staleness upkeep.** Held-back stale groups are re-queued if admissible again or dropped after
    ``stale_max_age_s`` (their budget is given back).
 
@@ -131,6 +133,7 @@ class ExportStats:
 
     idle_finished: int = 0
     groups_exported: int = 0
+    groups_swept: int = 0  # staged by an exporter that died before publishing; published by the sweep
     groups_partial: int = 0
     rows_exported: int = 0
     sessions_exported: int = 0
@@ -319,7 +322,7 @@ class TrajectoryService:
         redis = store.redis
         self.inflight = inflight or InFlight(redis, prefix=store.redis_prefix)
         self.queue: TrajectoryQueue = (
-            RedisQueue(redis, prefix=store.redis_prefix, lease_timeout_s=settings.lease_timeout_s)
+            RedisQueue(redis, prefix=store.redis_prefix, lease_timeout_s=settings.lease_timeout_s, engine=store.engine)
             if redis is not None
             else SqlQueue(store.engine, lease_timeout_s=settings.lease_timeout_s)
         )
@@ -331,6 +334,7 @@ class TrajectoryService:
         self._has_reward: set[str] = set()
         self._leader_id = uuid.uuid4().hex
         self._leader_key = f"{store.redis_prefix}lifecycle:leader"
+        self.fault_points: dict[str, BaseException] = {}  # tests only: see _fault
 
     # ------------------------------------------------------------------------------- the loop
 
@@ -472,18 +476,15 @@ class TrajectoryService:
             await self._export(ready, complete=False)
 
     async def _export(self, sessions: list[SessionRecord], *, complete: bool) -> None:
-        # The group is claimed all or nothing: a second exporter (another replica whose leadership
-        # overlapped, or an overlapping tick) loses the whole group instead of taking half of it.
-        try:
-            claimed = await self.store.claim_sessions(
-                session_ids=[s.id for s in sessions], status="consumed", expected=["finished"])
-        except (store_errors.Conflict, store_errors.NotFound):
-            return  # exported by someone else, or changed meanwhile; the next tick sees the truth
+        """Export a group at least once: its rows are built from the sessions as read, then the sessions
+        are claimed (compare-and-set from finished, at the version read: a reward posted meanwhile makes the
+        claim fail and the next tick re-reads) and the group is staged on the queue in ONE transaction, then
+        published. A crash between the two leaves it staged, and the next tick's sweep publishes it."""
         rows: list[Row] = []
         with_rows: list[str] = []
         no_rows = 0
         s_ = self.settings
-        for rec in claimed:
+        for rec in sessions:
             try:
                 turns = [turn_from_interaction(i) for i in await self.store.session_interactions(session_id=rec.id)]
                 got = export_session(turns, mode=s_.export_mode, gamma=s_.gamma, reward_mode=s_.reward_mode,
@@ -502,28 +503,56 @@ class TrajectoryService:
                 with_rows.append(rec.id)
             else:
                 no_rows += 1
+        group: QueuedGroup | None = None
+        if rows:
+            group_id = sessions[0].group_id
+            group_key = stable_id(group_id, *sorted(with_rows))
+            for row in rows:  # the trainer normalises advantages over exactly this group
+                row.group_key = group_key
+            versions = [r.min_version for r in rows if r.min_version >= 0]
+            group = QueuedGroup(
+                group_key=group_key, group_id=group_id, session_ids=with_rows,
+                payload=encode_batch(rows), n_rows=len(rows), n_tokens=sum(r.num_tokens for r in rows),
+                min_version=min(versions) if versions else -1, complete=complete,
+            )
+
+        async def stage(conn: Any) -> None:
+            if group is not None:
+                await self.queue.stage(conn, group)
+            self._fault("staged")
+
+        # The group is claimed all or nothing: a second exporter (another replica whose leadership
+        # overlapped, or an overlapping tick) loses the whole group instead of taking half of it.
+        try:
+            await self.store.claim_sessions(
+                session_ids=[s.id for s in sessions], status="consumed", expected=["finished"],
+                versions={s.id: s.version for s in sessions}, then=stage)
+        except (store_errors.Conflict, store_errors.NotFound):
+            return  # exported by someone else, or changed meanwhile; the next tick sees the truth
         if no_rows:
             self.stats.sessions_empty += no_rows
             await self.staleness.release(no_rows)
-        if not rows:
+        if group is None:
             return
-        group_id = claimed[0].group_id
-        group_key = stable_id(group_id, *sorted(with_rows))
-        for row in rows:  # the trainer normalises advantages over exactly this group
-            row.group_key = group_key
-        versions = [r.min_version for r in rows if r.min_version >= 0]
-        group = QueuedGroup(
-            group_key=group_key, group_id=group_id, session_ids=with_rows,
-            payload=encode_batch(rows), n_rows=len(rows), n_tokens=sum(r.num_tokens for r in rows),
-            min_version=min(versions) if versions else -1, complete=complete,
-        )
-        await self.queue.put(group)
+        self._fault("committed")
+        await self.queue.publish(group)
         self.stats.groups_exported += 1
         self.stats.groups_partial += not complete
         self.stats.rows_exported += len(rows)
         self.stats.sessions_exported += len(with_rows)
 
+    def _fault(self, point: str) -> None:
+        """Fault injection for tests: ``fault_points`` maps a point to the exception to raise there
+        (``staged``: inside the claim transaction; ``committed``: after it, before publishing)."""
+        exc = self.fault_points.get(point)
+        if exc is not None:
+            raise exc
+
     async def _upkeep(self) -> None:
+        swept = await self.queue.sweep()
+        if swept:
+            log.warning("published %d exported group(s) whose exporter stopped before publishing them", swept)
+            self.stats.groups_swept += swept
         state = await self.staleness.state()
         done = await self.queue.maintain(min_version=state.min_version if state else None,
                                          max_held_s=self.settings.stale_max_age_s)

@@ -6,6 +6,12 @@ metadata (group id, session ids, row/token counts, the oldest weight version amo
 Semantics (both backends):
 
 * ``put`` adds a group (idempotent by ``group_key``).
+* Export is at-least-once: ``stage(conn, group)`` runs inside the transaction that claims the group's
+  sessions (``Store.claim_sessions(then=...)``), ``publish(group)`` after it commits, and ``sweep()``
+  (every lifecycle tick) publishes what was staged but never published (the exporter died in between).
+  SQL: staging *is* the enqueue (one transaction), publish only wakes waiters. Redis: staging writes the
+  group to the SQL table as ``status='outbox'`` (a transactional outbox); publish adds it to the stream
+  (one Lua script: dedup key + stream entry, so a group is never added twice) and deletes the outbox row.
 * ``lease(max_groups, wait_s)`` waits up to ``wait_s`` for ``max_groups`` available groups, then claims
   what is there (at least one, else returns None) under a fresh lease id that expires ``lease_timeout_s``
   later. Available = never leased, or leased under a lease that expired (at-least-once re-delivery).
@@ -143,6 +149,9 @@ class TrajectoryQueue(Protocol):
     lease_timeout_s: float
 
     async def put(self, group: QueuedGroup) -> bool: ...
+    async def stage(self, conn: Any, group: QueuedGroup) -> None: ...
+    async def publish(self, group: QueuedGroup) -> None: ...
+    async def sweep(self) -> int: ...
     async def lease(self, max_groups: int, wait_s: float, *, min_version: int | None = None) -> Lease | None: ...
     async def ack(self, lease_id: str) -> int: ...
     async def maintain(self, *, min_version: int | None, max_held_s: float) -> Maintenance: ...
@@ -203,22 +212,24 @@ class SqlQueue:
         return None
 
     async def put(self, group: QueuedGroup) -> bool:
-        q = queue_table
         async with _translate("put"):
             try:
                 async with self.engine.begin() as conn:
-                    await conn.execute(
-                        q.insert().values(
-                            group_key=group.group_key, group_id=group.group_id, session_ids=group.session_ids,
-                            payload=group.payload, n_rows=group.n_rows, n_tokens=group.n_tokens,
-                            min_version=group.min_version, complete=group.complete, created_at=group.created_at,
-                            status="ready", deliveries=0,
-                        )
-                    )
+                    await _insert(conn, group, "ready")
             except IntegrityError:
                 return False  # already queued (same group_key): put is idempotent
         self.notify()
         return True
+
+    async def stage(self, conn: Any, group: QueuedGroup) -> None:
+        """Enqueue inside the caller's transaction (the one that claims the group's sessions)."""
+        await _insert(conn, group, "ready")
+
+    async def publish(self, group: QueuedGroup) -> None:
+        self.notify()
+
+    async def sweep(self) -> int:
+        return 0  # staged = queued
 
     @staticmethod
     def _available(now: float) -> Any:
@@ -361,7 +372,25 @@ class SqlQueue:
         return out
 
 
+async def _insert(conn: Any, group: QueuedGroup, status: str) -> None:
+    await conn.execute(
+        queue_table.insert().values(
+            group_key=group.group_key, group_id=group.group_id, session_ids=group.session_ids,
+            payload=group.payload, n_rows=group.n_rows, n_tokens=group.n_tokens,
+            min_version=group.min_version, complete=group.complete, created_at=group.created_at,
+            status=status, deliveries=0,
+        )
+    )
+
+
 # -------------------------------------------------------------------------------------------- Redis
+
+# Idempotent put: the dedup key and the stream entry together or not at all.
+_PUT_LUA = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', 'meta', ARGV[2], 'payload', ARGV[3])
+return 1
+"""
 
 _ACK_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -396,8 +425,9 @@ class RedisQueue:
 
     GROUP = "trainers"
 
-    def __init__(self, redis: Any, *, prefix: str, lease_timeout_s: float) -> None:
+    def __init__(self, redis: Any, *, prefix: str, lease_timeout_s: float, engine: AsyncEngine | None = None) -> None:
         self.redis = redis
+        self.engine = engine  # the SQL store: the outbox of staged groups (see the module docstring)
         self.lease_timeout_s = lease_timeout_s
         self.stream = f"{prefix}trajq:stream"
         self.held_meta = f"{prefix}trajq:held:meta"
@@ -406,6 +436,7 @@ class RedisQueue:
         self._lease_prefix = f"{prefix}trajq:lease:"
         self._waiter = _Waiter()
         self._ack = redis.register_script(_ACK_LUA)
+        self._put = redis.register_script(_PUT_LUA)
         self._group_ready = False
 
     def notify(self) -> None:
@@ -432,11 +463,42 @@ class RedisQueue:
     async def put(self, group: QueuedGroup) -> bool:
         async with _translate("put"):
             await self._ensure_group()
-            if not await self.redis.sadd(self.keys, group.group_key):
-                return False
-            await self._add(group)
+            added = await self._put(keys=[self.keys, self.stream],
+                                    args=[group.group_key, group._meta_json(), group.payload])
+        if not added:
+            return False
         self.notify()
         return True
+
+    async def stage(self, conn: Any, group: QueuedGroup) -> None:
+        """Write the group to the SQL outbox inside the caller's transaction."""
+        if self.engine is None:
+            raise RuntimeError("RedisQueue.stage needs the SQL engine (the outbox)")
+        await _insert(conn, group, "outbox")
+
+    async def publish(self, group: QueuedGroup) -> None:
+        """Add a staged group to the stream (idempotent), then drop its outbox row."""
+        await self.put(group)
+        assert self.engine is not None
+        q = queue_table
+        async with _translate("publish"):
+            async with self.engine.begin() as conn:
+                await conn.execute(q.delete().where(q.c.group_key == group.group_key, q.c.status == "outbox"))
+
+    async def sweep(self) -> int:
+        """Publish every group left in the outbox (its exporter died between commit and publish)."""
+        if self.engine is None:
+            return 0
+        q = queue_table
+        async with _translate("sweep"):
+            async with self.engine.connect() as conn:
+                rows = (await conn.execute(sa.select(q).where(q.c.status == "outbox").order_by(q.c.id))).mappings().all()
+        for row in rows:
+            await self.publish(QueuedGroup(
+                group_key=row["group_key"], group_id=row["group_id"], session_ids=list(row["session_ids"]),
+                payload=bytes(row["payload"]), n_rows=row["n_rows"], n_tokens=row["n_tokens"],
+                min_version=row["min_version"], complete=bool(row["complete"]), created_at=row["created_at"]))
+        return len(rows)
 
     def _group_of(self, fields: dict[bytes, bytes], deliveries: int = 0) -> QueuedGroup:
         return QueuedGroup._from_meta(json.loads(fields[b"meta"]), bytes(fields[b"payload"]), deliveries)

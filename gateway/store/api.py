@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -483,11 +483,16 @@ class Store:
         return updated
 
     async def claim_sessions(
-        self, *, session_ids: Sequence[str], status: SessionStatus, expected: Collection[str]
+        self, *, session_ids: Sequence[str], status: SessionStatus, expected: Collection[str],
+        versions: Mapping[str, int] | None = None,
+        then: Callable[[AsyncConnection], Awaitable[None]] | None = None,
     ) -> list[SessionRecord]:
         """Move several sessions to ``status`` in one transaction, all or none: Conflict (and nothing
-        changed) unless every one of them is currently in ``expected``; NotFound for an unknown id. This is
-        how a GRPO group is claimed for export, so two exporters can never split a group between them."""
+        changed) unless every one of them is currently in ``expected`` (and, with ``versions``, still at
+        that version: nothing changed since the caller read it); NotFound for an unknown id. ``then(conn)``
+        runs inside the same transaction after the claim (export enqueues the group there, so a group is
+        claimed and queued together or not at all). This is how a GRPO group is claimed for export, so two
+        exporters can never split a group between them."""
         if status not in SESSION_STATUSES:
             raise InvalidValue(f"unknown session status {status!r}; valid: {', '.join(SESSION_STATUSES)}")
         s = schema.sessions
@@ -503,12 +508,17 @@ class Store:
             wrong = {i: rows[i]["status"] for i in ids if rows[i]["status"] not in expected}
             if wrong:
                 raise Conflict(f"sessions not in {sorted(expected)}: {wrong}")
+            moved = {i: rows[i]["version"] for i in ids if versions is not None and rows[i]["version"] != versions.get(i)}
+            if moved:
+                raise Conflict(f"sessions changed since they were read: {moved}")
             updated: list[tuple[Any, SessionRecord]] = []
             for i in ids:
                 row = rows[i]
                 values = _status_change(row, status)
                 await conn.execute(sa.update(s).where(s.c.id == i).values(**values))
                 updated.append((row["key_hash"], session_from_row({**row, **values})))
+            if then is not None:
+                await then(conn)
         if self._redis is not None:
             for key_hash, record in updated:
                 await self._redis.put_session(key_hash, record)
@@ -761,6 +771,11 @@ class Store:
                 raise Conflict(f"session {target_session} was already consumed by training; its rewards are final")
             if interaction_id is not None:
                 await conn.execute(sa.update(i).where(i.c.id == interaction_id).values(reward=float(reward)))
+                # the session's version moves too: an exporter that read the turns before this reward
+                # sees the change when it claims the session (claim_sessions(versions=...)) and re-reads
+                await conn.execute(sa.update(s).where(s.c.id == target_session).values(version=row["version"] + 1))
+                updated = session_from_row({**row, "version": row["version"] + 1})
+                key_hash = row["key_hash"]
             else:
                 values = {"reward": float(reward), "version": row["version"] + 1}
                 await conn.execute(sa.update(s).where(s.c.id == target_session).values(**values))

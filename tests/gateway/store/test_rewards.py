@@ -21,7 +21,8 @@ async def test_reward_replace_and_audit(store: Store) -> None:
     on_session = await store.set_reward(session_id=s.id, reward=-0.5, source="env")
     assert on_session.interaction_id is None
     record = await store.get_session(session_id=s.id)
-    assert record.reward == -0.5 and record.version == 1
+    # every reward, on a turn or on the session, moves the session's version (export claims at the version read)
+    assert record.reward == -0.5 and record.version == 3
     assert s.api_key is not None and (await store.get_session_by_key(api_key=s.api_key)).reward == -0.5
 
     history = await store.reward_history(session_id=s.id)
