@@ -161,6 +161,8 @@ def test_sglang_serves_tokens_and_weight_updates(services):
     assert "--skip-tokenizer-init" not in args, "the detokenizer is needed for stop strings and text"
     assert flag_value(args, "--weight-version") == "0", "versions are integers starting at 0 in agentrl"
     assert flag_value(args, "--host") == "0.0.0.0"
+    assert "--enable-deterministic-inference" in args, "without it SGLang ignores sampling_seed (OpenAI seed)"
+    assert "--stream-output" not in args and "--incremental-streaming-output" not in args  # cumulative chunks
     assert raw_compose()["services"]["sglang"]["image"].startswith("lmsysorg/sglang:${SGLANG_TAG")
     for name in ("sglang", "trainer"):
         devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
