@@ -3,7 +3,7 @@
 Error shapes follow SGLang: a body that fails schema validation gets 400
 ``{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}``; a request the engine
 refuses gets 400 ``{"error": {"message": ...}}``, or, when it asked for a stream, status 200 with the event
-``data: {"error": {"message": ...}}`` then ``data: [DONE]``; weight updates answer ``{"success": false, "message"}``.
+``data: {"error": {"message", "type", "code", "retryable"}}`` then ``data: [DONE]``; weight updates answer ``{"success": false, "message"}``.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ def _bad_request(message: str) -> JSONResponse:
 
 
 def _error_event(message: str) -> bytes:
-    return b"data: " + json.dumps({"error": {"message": message}}).encode() + b"\n\n"
+    # SGLang 0.5.19 (http_server.generate_request): message, type, code, retryable
+    error = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
 async def _error_events(message: str) -> AsyncIterator[bytes]:

@@ -32,8 +32,9 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "sglang"
 
 # Top-level fields of SGLang's GenerateReqInput and keys of SamplingParams (io_struct.py, sampling_params.py,
-# SGLang 0.5.x). A request with another top-level field fails SGLang's schema validation (400); an unknown
-# sampling key fails SamplingParams(**params).
+# SGLang 0.5.x). SGLang ignores another top-level field (pydantic's default for its dataclass; checked with its
+# own class in test_sglang_own_code.py), so sending one would silently lose its meaning; an unknown sampling
+# key fails SamplingParams(**params).
 GENERATE_FIELDS = {
     "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data", "sampling_params", "rid",
     "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",

@@ -155,6 +155,16 @@ def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, 
                 assert obj.mode == "retract"
 
 
+def test_sglang_ignores_unknown_top_level_fields_and_refuses_unknown_sampling_keys() -> None:
+    """What the fixtures and the embedded engine mirror: GenerateReqInput (a dataclass validated by pydantic in
+    SGLang's FastAPI route) drops unknown fields; SamplingParams(**sampling_params) raises on unknown keys."""
+    io = own_code.io_struct()
+    obj = pydantic.TypeAdapter(io.GenerateReqInput).validate_python({"input_ids": [1, 2], "not_a_field": 1})
+    assert obj.input_ids == [1, 2] and not hasattr(obj, "not_a_field")
+    with pytest.raises(TypeError):
+        own_code.sampling_params().SamplingParams(max_new_tokens=4, not_a_key=1)
+
+
 @contextmanager
 def receiver(tp: int) -> Iterator[str]:
     port = free_port()
