@@ -179,21 +179,6 @@ def _group_body(task_id: str | None, size: int, group_id: str | None, metadata: 
     return body
 
 
-def _no_group_route(error: GatewayError) -> bool:
-    """A gateway from before group admission answers POST /v1/groups with 404 ``unknown_url`` (no such
-    route; a plain 404 from servers that do not shape their errors)."""
-    return error.status == 404 and error.code in (None, "unknown_url")
-
-
-def _legacy_session_body(group: dict[str, Any]) -> dict[str, Any]:
-    return {"group_id": group["group_id"], "task_id": group.get("task_id"),
-            "metadata": {**group["metadata"], "group_size": group["size"]}}
-
-
-_LEGACY_WARNING = ("this gateway has no POST /v1/groups: creating the group's sessions one by one (an older gateway; "
-                   "half-admitted groups can then exhaust the staleness budget)")
-
-
 def _sessions_of(gateway_url: str, body: Any) -> list[_Session]:
     # base_url may be absolute or relative to the gateway
     return [_Session(str(s["session_id"]), str(s["api_key"]), urljoin(gateway_url + "/", str(s["base_url"])))
@@ -341,15 +326,7 @@ class Gateway:
         """Reserve ``size`` episodes of ``task_id`` in one admission decision (waits out 429s)."""
         body = _group_body(task_id, size, group_id, metadata, eval)
         model = self.model()
-        try:
-            created = self.request("POST", "/v1/groups", json=body).json()
-        except GatewayError as exc:
-            if not _no_group_route(exc):
-                raise
-            log.warning(_LEGACY_WARNING)
-            sessions = [self.request("POST", "/v1/sessions", json=_legacy_session_body(body)).json()
-                        for _ in range(size)]
-            created = {"group_id": body["group_id"], "size": size, "sessions": sessions}
+        created = self.request("POST", "/v1/groups", json=body).json()
         episodes = [Episode(self, s, group_id=str(created["group_id"]), task_id=task_id, model=model,
                             sdk_http=self._sdk_http) for s in _sessions_of(self.url, created)]
         return Group(self, str(created["group_id"]), task_id, episodes)
@@ -509,15 +486,7 @@ class AsyncGateway:
 
     async def _reserve(self, body: dict[str, Any], task_id: str | None) -> AsyncGroup:
         model = await self.model()
-        try:
-            created = (await self.request("POST", "/v1/groups", json=body)).json()
-        except GatewayError as exc:
-            if not _no_group_route(exc):
-                raise
-            log.warning(_LEGACY_WARNING)
-            sessions = [(await self.request("POST", "/v1/sessions", json=_legacy_session_body(body))).json()
-                        for _ in range(body["size"])]
-            created = {"group_id": body["group_id"], "size": body["size"], "sessions": sessions}
+        created = (await self.request("POST", "/v1/groups", json=body)).json()
         episodes = [AsyncEpisode(self, s, group_id=str(created["group_id"]), task_id=task_id, model=model,
                                  async_sdk_http=self._sdk_http) for s in _sessions_of(self.url, created)]
         return AsyncGroup(self, str(created["group_id"]), task_id, episodes)

@@ -224,26 +224,7 @@ def test_bad_urls_and_sizes():
         gw.group("t", size=0)
 
 
-async def test_gateway_without_group_route_gets_sessions_one_by_one(gw_mock, caplog):
-    """An older gateway (no POST /v1/groups: FastAPI's plain 404) still works, with a warning."""
-    gw_mock.post("/v1/groups").respond(404, json={"error": {"message": "no such route", "code": "unknown_url"}})
-    n = iter(range(10))
-
-    def session(request: httpx.Request) -> httpx.Response:
-        i = next(n)
-        return httpx.Response(200, json={"session_id": f"s{i}", "api_key": f"k{i}", "group_id": "g",
-                                         "base_url": f"http://gw.test/sessions/s{i}/v1"})
-
-    sessions = gw_mock.post("/v1/sessions").mock(side_effect=session)
-    async with AsyncGateway(URL, "admin") as gw:
-        group = await gw.group("t", size=2, group_id="g", eval=True)
-    assert [e.session_id for e in group] == ["s0", "s1"] and group.group_id == "g"
-    bodies = [json.loads(c.request.content) for c in sessions.calls]
-    assert bodies == [{"group_id": "g", "task_id": "t", "metadata": {"eval": True, "group_size": 2}}] * 2
-    assert "no POST /v1/groups" in caplog.text
-
-
-async def test_unknown_group_404_with_a_code_is_not_taken_for_an_old_gateway(gw_mock):
+async def test_unknown_group_is_a_gateway_error(gw_mock):
     gw_mock.get("/v1/groups/nope").respond(404, json={"error": {"message": "no group", "code": "not_found"}})
     async with AsyncGateway(URL, "admin") as gw:
         with pytest.raises(GatewayError, match="404: no group"):
