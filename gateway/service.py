@@ -41,6 +41,7 @@ from typing import Any
 from gateway.binding import group_of_root
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.normalize import canonical_json, chain_hashes, extend_chain, validate_messages
+from gateway.constraints import refuse_unenforced
 from gateway.context import Services
 from gateway.decoding import ChoiceDecoder, ChoiceResult, StreamDelta
 from gateway.engine_client import Generation, SamplingParams
@@ -345,6 +346,7 @@ class GenerationService:
                        session: SessionRecord | None, id_prefix: str | None, meta: dict[str, Any] | None
                        ) -> tuple[TurnPlan, SamplingParams, list[ChoiceRun], Callable[[ChoiceRun], str]]:
         """Track, plan and size a turn: its plan, sampling parameters, choices and chain-hash function."""
+        refuse_unenforced(req)
         await self._track(turn, session)
         if isinstance(req, ChatCompletionRequest):
             plan = await self.plan_chat(req, session)
@@ -451,23 +453,26 @@ class GenerationService:
     # ------------------------------------------------------------------------------------ completions
     async def plan_completion(self, req: CompletionRequest, session: SessionRecord | None) -> TurnPlan:
         started = time.perf_counter()
-        if isinstance(req.prompt, str):
-            prompt = list(self.svc.tokenizer.encode(req.prompt, add_special_tokens=False))
+        if len(req.prompts) != 1:
+            raise InvalidRequest("a batch of prompts is one turn per prompt", param="prompt")
+        given = req.prompts[0]
+        if isinstance(given, str):
+            prompt = list(self.svc.tokenizer.encode(given, add_special_tokens=False))
             if not prompt:
                 raise InvalidRequest("prompt must not be empty", param="prompt")
         else:
             vocab = len(self.svc.tokenizer)
-            bad = [t for t in req.prompt if not 0 <= t < vocab]
+            bad = [t for t in given if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequest(f"prompt token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}",
                                      param="prompt")
-            prompt = list(req.prompt)
+            prompt = list(given)
         if session is not None and session.status != "active":
             raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
                            code="session_not_active")
         request_hash = hashlib.sha256(b"completion:" + _dumps(prompt)).hexdigest()
         plan = TurnPlan(session, None, prompt, prompt, 0, "completion",
-                        {"prompt": req.prompt, "params": self._params_json(req)}, request_hash,
+                        {"prompt": given, "params": self._params_json(req)}, request_hash,
                         implicit=session is None)
         if session is None:
             plan.group_id = "grp-" + request_hash[:32]

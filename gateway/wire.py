@@ -54,6 +54,19 @@ class SamplingFields(WireModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     seed: StrictInt | None = Field(default=None, ge=-SEED_MAX, le=SEED_MAX)
     stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -75,6 +88,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
+    response_format: Any = None  # checked by gateway.constraints
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -101,9 +115,19 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[StrictInt] = Field(min_length=1)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(min_length=1)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     echo: StrictBool = False
+    best_of: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
+    suffix: str | None = None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (a list of strings or of token id lists)."""
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(t, int) for t in p):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
 
     @field_validator("echo")
     @classmethod

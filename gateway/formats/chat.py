@@ -145,7 +145,13 @@ def _completion_logprobs(tokenizer: Any, req: CompletionRequest, res: ChoiceResu
     if req.logprobs is None:
         return None
     n = res.visible
-    entries = logprobs_json(tokenizer, res.output_ids[:n], res.logprobs[:n], res.top_logprobs, req.logprobs)
+    return _legacy_logprobs(tokenizer, req, res.output_ids[:n], res.logprobs[:n], res.top_logprobs)
+
+
+def _legacy_logprobs(tokenizer: Any, req: CompletionRequest, ids: list[int], logprobs: list[float],
+                     tops: list[list[tuple[int, float]]] | None) -> Piece:
+    """The legacy ``logprobs`` object (``openai.types.completion_choice.Logprobs``) of some output tokens."""
+    entries = logprobs_json(tokenizer, ids, logprobs, tops or [], req.logprobs or 0)
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]
             if req.logprobs else None,
@@ -169,9 +175,14 @@ def completion_chunks(req: CompletionRequest, plan: TurnPlan, runs: list[ChoiceR
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def delta_choice(run: ChoiceRun, delta: StreamDelta, gen: Generation) -> Piece | None:
-        if not delta.content:
+        logprobs = None
+        if req.logprobs is not None and delta.token_end > delta.token_start:
+            s, e = delta.token_start, delta.token_end
+            logprobs = _legacy_logprobs(tokenizer, req, gen.output_ids[s:e], gen.logprobs[s:e],
+                                        gen.top_logprobs[s:e])
+        if not delta.content and logprobs is None:
             return None
-        return {"index": run.index, "text": delta.content, "logprobs": None, "finish_reason": None,
+        return {"index": run.index, "text": delta.content, "logprobs": logprobs, "finish_reason": None,
                 "response_id": run.id}
 
     return _chunks(plan, runs, events, _chunker("text_completion", runs[0].id, model, include_usage, {}),

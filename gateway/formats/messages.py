@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import Field, StrictBool, StrictInt, ValidationError
 
+from gateway.constraints import refuse_unenforced
 from gateway.decoding import ChoiceResult, StreamDelta
 from gateway.errors import GatewayError, InvalidRequest, anthropic_error_body, from_validation_error
 from gateway.formats.common import sse, unsupported_tool
@@ -244,15 +245,34 @@ def to_chat_request(req: MessagesRequest, conv: Conversation) -> ChatCompletionR
         "messages": conv.messages, "tools": conv.tools, "tool_choice": conv.tool_choice,
         "parallel_tool_calls": conv.parallel_tool_calls, "max_tokens": req.max_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "stop": req.stop_sequences or None,
-        "stream": req.stream,
+        "stream": req.stream, "response_format": _response_format(req.output_config),
     }
+    if req.top_k:
+        raise InvalidRequest(f"top_k={req.top_k} is not enforced by this gateway yet, and it refuses rather than "
+                             "silently ignoring it; leave it unset", param="top_k", code="unsupported_parameter")
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        chat_req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         err = from_validation_error(exc)
         if err.param == "stop":
             err.param = "stop_sequences"
         raise err from exc
+    refuse_unenforced(chat_req, {"response_format": "output_config.format",
+                                 "response_format.type": "output_config.format.type",
+                                 "tool_choice": "tool_choice.type",
+                                 "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"})
+    return chat_req
+
+
+def _response_format(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``output_config.format`` (``JSONOutputFormatParam``: ``{type: "json_schema", schema}``) -> chat's
+    ``response_format``."""
+    fmt = (config or {}).get("format")
+    if not isinstance(fmt, Mapping):
+        return None
+    if fmt.get("type") != "json_schema":
+        return dict(fmt)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
 
 
 def recorded_meta(conv: Conversation) -> dict[str, Any]:

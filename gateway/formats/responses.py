@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic import Field, StrictBool, StrictInt, ValidationError
 
+from gateway.constraints import refuse_unenforced
 from gateway.decoding import ChoiceResult, StreamDelta, logprobs_json
 from gateway.engine_client import Generation
 from gateway.errors import GatewayError, InvalidRequest, from_validation_error
@@ -478,11 +479,26 @@ def to_chat_request(req: ResponsesRequest, conv: Conversation) -> ChatCompletion
         "parallel_tool_calls": req.parallel_tool_calls, "max_tokens": req.max_output_tokens,
         "temperature": req.temperature, "top_p": req.top_p, "stream": req.stream,
         "logprobs": req.wants_logprobs, "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
+        "response_format": response_format(req.text),
     }
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        chat_req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
+    refuse_unenforced(chat_req, {"response_format": "text.format", "response_format.type": "text.format.type"})
+    return chat_req
+
+
+def response_format(text: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` (``ResponseFormatTextConfigParam``: flat ``{type, name, schema, strict}``) -> chat's
+    ``response_format`` (``{type, json_schema: {name, schema, strict}}``)."""
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, Mapping):
+        return None
+    if fmt.get("type") != "json_schema":
+        return dict(fmt)
+    return {"type": "json_schema",
+            "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
 
 
 def recorded_meta(conv: Conversation) -> dict[str, Any]:

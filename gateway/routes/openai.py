@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -12,6 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway.binding import session_for
 from gateway.context import services
+from gateway.errors import InvalidRequest, NotFound
 from gateway.formats import chat
 from gateway.routes.common import caller, read_json
 from gateway.service import GenerationService
@@ -35,6 +37,8 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
     who = await caller(request)
     req = await read_json(request, model)
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
+    if isinstance(req, CompletionRequest) and len(req.prompts) > 1:
+        return await _completion_batch(request, req, session)
     service = GenerationService(svc)
     if req.stream:
         plan, runs, events = await service.stream_turn(req, session)
@@ -54,10 +58,44 @@ async def completions(request: Request) -> Response:
     return await _generate(request, CompletionRequest, chat.completion_response, chat.completion_chunks)
 
 
+async def _completion_batch(request: Request, req: CompletionRequest, session: Any) -> Response:
+    """A ``prompt`` list of several prompts: one turn per prompt, run concurrently, answered as one
+    ``text_completion`` whose choice ``i * n + j`` is choice ``j`` of prompt ``i`` (as OpenAI numbers them).
+    Each turn is recorded on its own; streaming a batch is refused (400)."""
+    svc = services(request)
+    if req.stream:
+        raise InvalidRequest("streaming a batch of prompts is not supported; send one prompt per request, "
+                             "or stream: false", param="prompt")
+    service = GenerationService(svc)
+    turns = await asyncio.gather(*(service.run_turn(req.model_copy(update={"prompt": p}), session)
+                                   for p in req.prompts))
+    bodies = [chat.completion_response(req, plan, runs, svc.model_name, svc.tokenizer) for plan, runs in turns]
+    choices = []
+    for i, body in enumerate(bodies):
+        for choice in body["choices"]:
+            choices.append({**choice, "index": i * req.n + choice["index"]})
+    usage = {k: sum(b["usage"][k] for b in bodies) for k in bodies[0]["usage"]}
+    return _json({**bodies[0], "choices": choices, "usage": usage})
+
+
+def _model(request: Request) -> dict[str, Any]:
+    svc = services(request)
+    return {"id": svc.model_name, "object": "model", "created": int(svc.app_state.started_at or time.time()),
+            "owned_by": "agentrl", "max_model_len": svc.context_length}
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    svc = services(request)
     await caller(request)
-    return _json({"object": "list", "data": [{
-        "id": svc.model_name, "object": "model", "created": int(svc.app_state.started_at or time.time()),
-        "owned_by": "agentrl", "max_model_len": svc.context_length}]})
+    return _json({"object": "list", "data": [_model(request)]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> Response:
+    """``client.models.retrieve``: the served model, or 404 (``model_not_found``) for any other id."""
+    await caller(request)
+    served = _model(request)
+    if model_id != served["id"]:
+        raise NotFound(f"the model {model_id!r} does not exist; this gateway serves {served['id']!r}",
+                       param="model", code="model_not_found")
+    return _json(served)
