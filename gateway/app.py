@@ -1,7 +1,8 @@
 """The gateway's FastAPI app: ``create_app(settings)`` builds it; its lifespan builds the clients.
 
-At start-up the lifespan connects to the engines (waits for one to be healthy), asks one for its model
-(``/get_model_info``) and context length (``/get_server_info``), loads the tokenizer and chat template
+At start-up the lifespan connects to the engines (detects their kind, SGLang-native or vLLM, unless
+``--engine-kind`` names it; waits for one to be healthy), asks one for its model directory, weight version
+and context length (:meth:`gateway.engines.Engine.describe`), loads the tokenizer and chat template
 (``--tokenizer`` or the engine's model directory), opens the store (which runs the Alembic migrations)
 and starts the engine health checks. Everything is injectable for tests: an ``httpx.AsyncClient`` whose
 transport reaches the engines, an open ``Store``, a tokenizer, an admission policy.
@@ -29,7 +30,8 @@ from gateway.binding import ImplicitIndex
 from gateway.chat.template import ChatTemplate
 from gateway.context import Services
 from gateway.control import ControlPlane
-from gateway.engine_client import EngineClient, EngineRouter
+from gateway.engine_client import EngineRouter
+from gateway.engines import EngineInfo, connect_engines
 from gateway.errors import (
     Conflict,
     GatewayError,
@@ -128,24 +130,19 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def model_name(info: dict[str, Any]) -> str:
-    """The model's name from the engine's ``/get_model_info``. SGLang reports the directory weights were
-    last loaded from as ``model_path`` (and ``served_model_name``), so after a disk push a restarted gateway
-    would name the model after the push directory; ``tokenizer_path`` keeps naming the model."""
-    return Path(str(info.get("tokenizer_path") or info.get("model_path") or "model")).name
+def model_name(info: EngineInfo) -> str:
+    """The model's name from what the engine reports. SGLang reports the directory weights were last loaded
+    from as ``model_path`` (and ``served_model_name``), vLLM's ``reload_weights`` points its model config at
+    it too, so after a disk push a restarted gateway would name the model after the push directory;
+    ``tokenizer_path`` keeps naming the model."""
+    return Path(str(info.tokenizer_path or info.model_path or "model")).name
 
 
-async def _discover(router: EngineRouter, settings: GatewaySettings) -> tuple[dict[str, Any], int]:
-    engine = router.healthy_engine()
-    info = await engine.model_info()
-    context = settings.context_length
-    if not context:
-        try:
-            server = await engine.server_info()
-            context = int(server.get("context_length") or server.get("max_req_input_len") or 0)
-        except GatewayError:
-            context = 0
-    return info, context
+async def _discover(router: EngineRouter, settings: GatewaySettings) -> EngineInfo:
+    info = await router.healthy_engine().describe()
+    if settings.context_length:
+        info.context_length = settings.context_length
+    return info
 
 
 def create_app(
@@ -164,17 +161,21 @@ def create_app(
         own_http = http is None
         client = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1000,
                                                                max_keepalive_connections=200))
-        router = EngineRouter([EngineClient(u, client, timeout_s=settings.engine_timeout_s)
-                               for u in settings.engine_url], health_interval_s=settings.health_interval_s)
         own_store = store is None
         opened: Store | None = store
         control: ControlPlane | None = None
+        router: EngineRouter | None = None
         try:
+            engines = await connect_engines(settings.engine_url, settings.engine_kind, client,
+                                            timeout_s=settings.engine_timeout_s,
+                                            startup_timeout_s=settings.startup_timeout_s)
+            router = EngineRouter(engines, health_interval_s=settings.health_interval_s)
             await router.wait_healthy(settings.startup_timeout_s)
-            info, context = await _discover(router, settings)
+            info = await _discover(router, settings)
+            context = info.context_length
             tok = tokenizer
             if tok is None:
-                path = settings.tokenizer or info.get("tokenizer_path") or info.get("model_path")
+                path = settings.tokenizer or info.tokenizer_path or info.model_path
                 if not path or not Path(str(path)).exists():
                     raise RuntimeError(
                         f"cannot find the tokenizer (engine says {path!r}); pass --tokenizer DIR")
@@ -183,8 +184,7 @@ def create_app(
                 context = int(getattr(tok, "model_max_length", 0) or 0)
                 if not 0 < context < 10_000_000:
                     raise RuntimeError("unknown context length: pass --context-length N")
-            version = info.get("weight_version")
-            router.weight_version = int(version) if str(version).isdigit() else 0
+            router.weight_version = info.weight_version if info.weight_version is not None else 0
             metrics.weight_version.set(router.weight_version)
             template = ChatTemplate(tok)
             if opened is None:
@@ -210,7 +210,8 @@ def create_app(
         finally:
             if control is not None:
                 await control.close()
-            await router.close()
+            if router is not None:
+                await router.close()
             if own_store and opened is not None:
                 await opened.close()
             if own_http:

@@ -1,4 +1,8 @@
-"""Clients of SGLang-native engines: one :class:`EngineClient` per URL, an :class:`EngineRouter` over them.
+"""The SGLang-native engine client (:class:`EngineClient`, one per URL) and the :class:`EngineRouter` over engines.
+
+The router speaks the engine protocol of :mod:`gateway.engines` (:class:`~gateway.engines.Engine`), so it
+routes over SGLang-native engines (SGLang, the embedded engine) and vLLM servers
+(:class:`gateway.engines.vllm.VLLMClient`) alike.
 
 The wire shapes are those of ``docs/sglang-protocol.md`` (``POST /generate`` token in / token out with
 logprobs; pause/continue; weight updates; health). Every client takes an injected ``httpx.AsyncClient`` so
@@ -24,11 +28,14 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, GatewayError, InvalidRequest
+
+if TYPE_CHECKING:
+    from gateway.engines import Engine, EngineInfo
 
 log = logging.getLogger("agentrl.gateway.engine")
 
@@ -152,6 +159,8 @@ def _error_message(resp: httpx.Response) -> str:
 class EngineClient:
     """One SGLang-native engine at ``base_url``, spoken to through the injected ``http`` client."""
 
+    kind = "sglang"
+
     def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.http = http
@@ -260,6 +269,18 @@ class EngineClient:
     async def server_info(self) -> dict[str, Any]:
         return (await self._get("/get_server_info")).json()
 
+    async def describe(self) -> EngineInfo:
+        from gateway.engines import EngineInfo
+
+        info = await self.model_info()
+        try:
+            server = await self.server_info()
+            context = int(server.get("context_length") or server.get("max_req_input_len") or 0)
+        except GatewayError:
+            context = 0
+        return EngineInfo(model_path=info.get("model_path"), tokenizer_path=info.get("tokenizer_path"),
+                          weight_version=_parse_version(info.get("weight_version")), context_length=context)
+
     async def weight_version(self) -> int | None:
         # /get_model_info carries it in SGLang 0.5.19 and 0.5.23; /get_weight_version is 404 in 0.5.19
         return _parse_version((await self.model_info()).get("weight_version"))
@@ -279,7 +300,7 @@ class EngineClient:
 
 @dataclass(slots=True)
 class EngineState:
-    client: EngineClient
+    client: Engine
     healthy: bool = True
     in_flight: int = 0
     served: int = 0
@@ -288,7 +309,7 @@ class EngineState:
     last_check: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"url": self.client.base_url, "healthy": self.healthy, "in_flight": self.in_flight,
+        return {"url": self.client.base_url, "kind": self.client.kind, "healthy": self.healthy, "in_flight": self.in_flight,
                 "served": self.served, "failures": self.failures, "last_error": self.last_error,
                 "last_check": self.last_check}
 
@@ -296,7 +317,7 @@ class EngineState:
 class EngineRouter:
     """Routes generations over engines and holds them across pause/resume (see the module docstring)."""
 
-    def __init__(self, clients: list[EngineClient], *, health_interval_s: float = 5.0,
+    def __init__(self, clients: list[Engine], *, health_interval_s: float = 5.0,
                  affinity_size: int = 100_000) -> None:
         if not clients:
             raise ValueError("EngineRouter needs at least one engine")
@@ -361,7 +382,7 @@ class EngineRouter:
                     + ", ".join(e.client.base_url for e in self.engines))
             await asyncio.sleep(0.5)
 
-    def healthy_engine(self) -> EngineClient:
+    def healthy_engine(self) -> Engine:
         for state in self.engines:
             if state.healthy:
                 return state.client

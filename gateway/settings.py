@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from agentrl import defaults
 from agentrl.settings import SettingsError
+from gateway.engines import ENGINE_KINDS
 
 
 @dataclass
@@ -14,7 +15,10 @@ class GatewaySettings:
     env_prefix: ClassVar[str] = "AGENTRL_GATEWAY_"
 
     engine_url: list[str] = field(default_factory=list, metadata={
-        "help": "SGLang-native engine URL(s), comma-separated or repeated (e.g. http://127.0.0.1:30000)"})
+        "help": "engine URL(s), comma-separated or repeated (e.g. http://127.0.0.1:30000)"})
+    engine_kind: str = field(default="auto", metadata={"choices": ENGINE_KINDS,
+        "help": "engine protocol: sglang (SGLang, the embedded engine), vllm (vLLM with VLLM_SERVER_DEV_MODE=1), "
+                "auto (detect from the routes each engine answers)"})
     db: str = field(default="sqlite+aiosqlite:///agentrl.db", metadata={
         "help": "SQLAlchemy URL of the conversation store (sqlite+aiosqlite:///path or postgresql+asyncpg://...)"})
     redis: str | None = field(default=None, metadata={
@@ -78,6 +82,8 @@ class GatewaySettings:
         if not self.engine_url:
             raise SettingsError(
                 "no engine: pass --engine-url http://HOST:PORT (start one with `agentrl engine --port PORT`)")
+        if self.engine_kind not in ENGINE_KINDS:
+            raise SettingsError(f"--engine-kind {self.engine_kind!r}: use one of {', '.join(ENGINE_KINDS)}")
         for url in self.engine_url:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"--engine-url {url!r} must start with http:// or https://")

@@ -14,6 +14,7 @@ from typing import ClassVar
 from agentrl import defaults
 from agentrl.settings import SettingsError
 from trainer.core_algos import ADV_ESTIMATORS, LOSS_AGG_MODES
+from trainer.engine_ops import ENGINE_KINDS
 
 SYNC_MODES: tuple[str, ...] = ("disk", "broadcast", "tensor", "none")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -33,6 +34,7 @@ class TrainerSettings:
     admin_key: str = field(default="", metadata=_h("the gateway's admin key (sent as Bearer)"))
     model: str = field(default="smollm2", metadata=_h("smollm2, tiny or a Hugging Face model directory; the engines must serve the same model"))
     engine_urls: list[str] = field(default_factory=list, metadata=_h("engine base URLs to push weights to; default: asked from the gateway (GET /admin/engines)"))
+    engine_kind: str = field(default="auto", metadata=_h("engine protocol for weight pushes: sglang (SGLang, embedded engine), vllm (VLLM_SERVER_DEV_MODE=1), auto (detected per engine)", choices=ENGINE_KINDS))
 
     # optimisation
     lr: float = field(default=defaults.LR, metadata=_h("AdamW learning rate"))
@@ -96,9 +98,9 @@ class TrainerSettings:
                 f"{self.max_seq_len}); a row is never split, so raise --micro-batch-tokens to at least "
                 f"{self.max_seq_len} or lower the agents' max tokens"
             )
-        for name in ("sync_mode", "adv_estimator", "loss_agg_mode", "device", "dtype"):
+        for name in ("sync_mode", "adv_estimator", "loss_agg_mode", "device", "dtype", "engine_kind"):
             valid = {"sync_mode": SYNC_MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": LOSS_AGG_MODES,
-                     "device": DEVICES, "dtype": DTYPES}[name]
+                     "device": DEVICES, "dtype": DTYPES, "engine_kind": ENGINE_KINDS}[name]
             if getattr(self, name) not in valid:
                 raise SettingsError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):

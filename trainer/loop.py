@@ -136,11 +136,12 @@ def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo, clien
         control = GatewayControl(settings.gateway, settings.admin_key, client=client,
                                  engine_urls=settings.engine_urls)
     else:
-        control = DirectControl(settings.engine_urls, client=client)
+        control = DirectControl(settings.engine_urls, client=client, engine_kind=settings.engine_kind)
     if settings.sync_mode == "disk":
         # absolute: the engines resolve model_path against their own working directory
         sync_dir = Path(settings.sync_dir or Path(settings.checkpoint_dir) / "sync").resolve()
-        return control, DiskSync(sync_dir=sync_dir, source_dir=model_dir, client=client)
+        return control, DiskSync(sync_dir=sync_dir, source_dir=model_dir, client=client,
+                                 engine_kind=settings.engine_kind)
     if settings.sync_mode == "tensor":
         return control, TensorSync(client=client)
     backend = "nccl" if info.device.type == "cuda" else "gloo"

@@ -3,8 +3,9 @@
 Three transports, one wrapper:
 
 * :class:`DiskSync`: rank 0 writes a Hugging Face directory (safetensors + config + tokenizer) under
-  ``sync_dir/v<version>`` **before** generation is paused, then every engine loads it at once with
-  ``POST /update_weights_from_disk``: generation is paused only for the loads (``PushResult.paused_s``).
+  ``sync_dir/v<version>`` **before** generation is paused, then every engine loads it at once (SGLang:
+  ``POST /update_weights_from_disk``; vLLM: ``reload_weights`` + ``/update_weight_version``; the per-kind
+  calls are in :mod:`trainer.engine_ops`): generation is paused only for the loads (``PushResult.paused_s``).
 * :class:`TensorSync` (engines sharing the trainer's GPU): the weights in one flat buffer, sent as CUDA IPC
   handles with SGLang's ``POST /update_weights_from_tensor``; staged before the pause like disk mode.
 * :class:`BroadcastSync`: rank 0 forms a process group with the engines once (``POST
@@ -41,6 +42,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from trainer.engine_ops import EngineOpsError, SGLangOps, VLLMOps, engine_ops, post
 from trainer.model import DistInfo, iter_full_tensors, served_dtype
 
 log = logging.getLogger(__name__)
@@ -57,17 +59,32 @@ def _post(client: httpx.Client, url: str, body: dict[str, Any], *, timeout: floa
           headers: dict[str, str] | None = None) -> dict[str, Any]:
     """POST JSON; any transport error, non-2xx status or ``success: false`` raises WeightSyncError."""
     try:
-        resp = client.post(url, json=body, timeout=timeout or 120.0, headers=headers)
-    except httpx.HTTPError as exc:
-        raise WeightSyncError(f"POST {url} failed: {exc!r}") from exc
+        return post(client, url, body, timeout=timeout, headers=headers)
+    except EngineOpsError as exc:
+        raise WeightSyncError(str(exc)) from exc
+
+
+class EngineSet:
+    """The :class:`~trainer.engine_ops.EngineOps` of each engine URL, its kind given or detected once."""
+
+    def __init__(self, client: httpx.Client, kind: str = "auto") -> None:
+        self.client, self.kind = client, kind
+        self._ops: dict[str, SGLangOps | VLLMOps] = {}
+
+    def __call__(self, url: str) -> SGLangOps | VLLMOps:
+        if url not in self._ops:
+            try:
+                self._ops[url] = engine_ops(self.client, url, self.kind)
+            except EngineOpsError as exc:
+                raise WeightSyncError(str(exc)) from exc
+        return self._ops[url]
+
+
+def _call(fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
     try:
-        data = resp.json() if resp.content else {}
-    except ValueError:
-        data = {"message": resp.text[:300]}
-    if resp.status_code >= 300 or (isinstance(data, dict) and data.get("success") is False):
-        message = data.get("message") or data.get("error") or resp.text[:300] if isinstance(data, dict) else resp.text[:300]
-        raise WeightSyncError(f"POST {url} answered {resp.status_code}: {message}")
-    return data if isinstance(data, dict) else {}
+        fn(*args, **kwargs)
+    except EngineOpsError as exc:
+        raise WeightSyncError(str(exc)) from exc
 
 
 # ------------------------------------------------------------------------------------ pause and resume
@@ -149,31 +166,27 @@ class DirectControl:
     recomputed after continue), the updates do not flush, and ``resume`` flushes while still paused with
     ``POST /flush_cache``: it succeeds on 0.5.23, and on 0.5.19 whenever nothing was in flight; a refused
     flush is logged (the prefix cache then still holds KV computed under the old weights) and generation
-    continues."""
+    continues. vLLM pauses in ``keep`` mode and resets its prefix cache before resuming
+    (:mod:`trainer.engine_ops`)."""
 
     flush_with_update = False
 
-    def __init__(self, engine_urls: Iterable[str], *, client: httpx.Client | None = None) -> None:
+    def __init__(self, engine_urls: Iterable[str], *, client: httpx.Client | None = None,
+                 engine_kind: str = "sglang") -> None:
         self._urls = [u.rstrip("/") for u in engine_urls]
         self.client = client or httpx.Client(timeout=60.0)
+        self.ops = EngineSet(self.client, engine_kind)
 
     def engines(self) -> list[str]:
         return self._urls
 
     def pause(self) -> None:
         for url in self._urls:
-            _post(self.client, f"{url}/pause_generation", {"mode": "retract"})
+            _call(self.ops(url).pause_keep)
 
     def resume(self, version: int) -> None:
         for url in self._urls:
-            try:
-                resp = self.client.post(f"{url}/flush_cache", timeout=60.0)
-            except httpx.HTTPError as exc:
-                raise WeightSyncError(f"POST {url}/flush_cache failed: {exc!r}") from exc
-            if resp.status_code != 200:
-                log.warning("%s kept its prefix cache (flush refused: %s); requests that reuse a cached prefix "
-                            "see KV computed under the previous weights", url, resp.text.strip()[:200])
-            _post(self.client, f"{url}/continue_generation", {})
+            _call(self.ops(url).resume_flushed)
 
 
 # ----------------------------------------------------------------------------------------- transports
@@ -218,10 +231,12 @@ class DiskSync:
     source_dir: Path  # tokenizer files are copied from here; also the directory of version 0's weights
     client: httpx.Client
     keep: int = 2  # sync directories kept on disk (the newest is served, the one before is for rollback)
+    engine_kind: str = "sglang"  # sglang | vllm | auto (detected per engine)
 
     def __post_init__(self) -> None:
         self.sync_dir = Path(self.sync_dir)
         self.served_path: Path = Path(self.source_dir)
+        self.ops = EngineSet(self.client, self.engine_kind)
 
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> Path | None:
         """Collective: gather the weights; rank 0 writes ``sync_dir/v<version>``."""
@@ -242,9 +257,7 @@ class DiskSync:
         todo = [url for url in engines if url not in updated]
 
         def load(url: str) -> None:
-            _post(self.client, f"{url}/update_weights_from_disk",
-                  {"model_path": str(staged), "weight_version": str(version), "flush_cache": flush_cache},
-                  timeout=600.0)
+            _call(self.ops(url).load_from_disk, str(staged), version, timeout=600.0, flush_cache=flush_cache)
             updated.append(url)
 
         with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
@@ -265,9 +278,8 @@ class DiskSync:
     def rollback(self, engines: list[str], old_version: int, *, flush_cache: bool = True) -> None:
         for url in engines:
             try:
-                _post(self.client, f"{url}/update_weights_from_disk",
-                      {"model_path": str(self.served_path), "weight_version": str(old_version),
-                       "flush_cache": flush_cache}, timeout=600.0)
+                _call(self.ops(url).load_from_disk, str(self.served_path), old_version, timeout=600.0,
+                      flush_cache=flush_cache)
             except WeightSyncError as exc:
                 log.error("rollback of %s to version %d failed: %s", url, old_version, exc)
 

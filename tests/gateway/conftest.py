@@ -63,6 +63,30 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
+def gateway_starter(procs: Processes, tmp_path: Path, default_urls: list[str]) -> Callable[..., GatewayProc]:
+    """A gateway-process factory over ``procs`` (see ``gateway_factory``); also used over a vLLM server."""
+
+    def start(db: str | None = None, redis: str | None = None, redis_prefix: str | None = None,
+              engine_urls: list[str] | None = None, extra_args: tuple[str, ...] | list[str] = (),
+              agent_key: str = AGENT_KEY, admin_key: str = ADMIN_KEY) -> GatewayProc:
+        port = free_port()
+        db = db or f"sqlite+aiosqlite:///{tmp_path}/gateway-{port}.db"
+        urls = engine_urls or default_urls
+        argv = [sys.executable, "-m", "agentrl", "gateway", "--engine-url", ",".join(urls), "--db", db,
+                "--port", str(port), "--admin-key", admin_key, "--agent-key", agent_key,
+                "--log-level", "warning", "--health-interval-s", "1", *extra_args]
+        if redis:
+            argv += ["--redis", redis]
+        if redis_prefix:
+            argv += ["--redis-prefix", redis_prefix]
+        child = procs.start(f"gateway-{port}", argv)
+        base = f"http://127.0.0.1:{port}"
+        procs.wait_healthy(child, base + "/health", timeout_s=120)
+        return GatewayProc(base, admin_key, agent_key, db, urls, child.log_path)
+
+    return start
+
+
 @pytest.fixture
 def gateway_factory(tmp_path: Path, engine_url: str) -> Iterator[Callable[..., GatewayProc]]:
     """``factory(db=None, redis=None, redis_prefix=None, engine_urls=None, extra_args=()) -> GatewayProc``.
@@ -70,26 +94,7 @@ def gateway_factory(tmp_path: Path, engine_url: str) -> Iterator[Callable[..., G
     ``db`` defaults to a fresh SQLite file under ``tmp_path``; ``engine_urls`` to ``[engine_url]``.
     """
     with Processes(tmp_path / "gateway-logs") as procs:
-
-        def start(db: str | None = None, redis: str | None = None, redis_prefix: str | None = None,
-                  engine_urls: list[str] | None = None, extra_args: tuple[str, ...] | list[str] = (),
-                  agent_key: str = AGENT_KEY, admin_key: str = ADMIN_KEY) -> GatewayProc:
-            port = free_port()
-            db = db or f"sqlite+aiosqlite:///{tmp_path}/gateway-{port}.db"
-            urls = engine_urls or [engine_url]
-            argv = [sys.executable, "-m", "agentrl", "gateway", "--engine-url", ",".join(urls), "--db", db,
-                    "--port", str(port), "--admin-key", admin_key, "--agent-key", agent_key,
-                    "--log-level", "warning", "--health-interval-s", "1", *extra_args]
-            if redis:
-                argv += ["--redis", redis]
-            if redis_prefix:
-                argv += ["--redis-prefix", redis_prefix]
-            child = procs.start(f"gateway-{port}", argv)
-            base = f"http://127.0.0.1:{port}"
-            procs.wait_healthy(child, base + "/health", timeout_s=120)
-            return GatewayProc(base, admin_key, agent_key, db, urls, child.log_path)
-
-        yield start
+        yield gateway_starter(procs, tmp_path, [engine_url])
 
 
 @pytest.fixture

@@ -328,8 +328,9 @@ def test_model_name_survives_a_disk_push() -> None:
     """After /update_weights_from_disk SGLang reports the push directory as model_path and served_model_name
     (TokenizerManager._update_model_path_info, 0.5.19); a gateway restarted then still names the model."""
     from gateway.app import model_name
+    from gateway.engines import EngineInfo
 
-    after_push = {"model_path": "/sync/push-000003", "served_model_name": "/sync/push-000003",
-                  "tokenizer_path": "/models/smollm2", "weight_version": "3"}
+    after_push = EngineInfo(model_path="/sync/push-000003", tokenizer_path="/models/smollm2", weight_version=3,
+                            context_length=0)
     assert model_name(after_push) == "smollm2"
-    assert model_name({"model_path": "/models/Qwen2.5-1.5B"}) == "Qwen2.5-1.5B"
+    assert model_name(EngineInfo("/models/Qwen2.5-1.5B", None, None, 0)) == "Qwen2.5-1.5B"

