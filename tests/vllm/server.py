@@ -87,3 +87,8 @@ def server_env() -> dict[str, str]:
     return {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+if __name__ == "__main__":  # `make vllm-venv`
+    ensure_venv()
+    print(f"{VENV} ready ({VLLM_PIN})")

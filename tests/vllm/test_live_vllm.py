@@ -82,7 +82,7 @@ def test_multi_turn_chat_is_linked_token_exact_with_vllms_own_logprobs(
         own = vllm_generate(vllm_server.url, prompt, len(output), seed=k, temperature=1.0)
         assert own["ids"] == output
         assert list(turn.output_logprobs) == pytest.approx(own["logprobs"], abs=1e-4)
-        assert set(turn.output_versions) == {0}
+        assert len(set(turn.output_versions)) == 1  # no push meanwhile: one version
 
 
 def test_streaming_returns_what_non_streaming_returns(vllm_gateway: Any) -> None:
@@ -119,7 +119,11 @@ def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
     from trainer.model import init_distributed, load_model, token_logprobs
     from trainer.weight_sync import DiskSync, GatewayControl, push_weights
 
+    info = init_distributed("cpu")  # a one-process group: load_model shards with FSDP2 over it
+    model = load_model(vllm_server.model_dir)
     gw = vllm_gateway()
+    with gw.admin() as admin:  # the version vLLM reported at start ("default" counts as 0)
+        v0 = admin.get("/admin/weight_version").json()["weight_version"]
     probe = [1, 9, 200, 300, 400]
     before = vllm_generate(vllm_server.url, probe, 4, temperature=0.0)
     session = gw.create_session(group_id="push")
@@ -129,7 +133,7 @@ def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
     def agent() -> None:
         result["reply"] = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=1500, temperature=1.0, seed=5)
+            max_tokens=150, temperature=1.0, seed=5)
 
     thread = threading.Thread(target=agent)
     thread.start()
@@ -140,26 +144,25 @@ def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
             time.sleep(0.05)
     time.sleep(0.5)
 
-    model = load_model(vllm_server.model_dir)
-    torch.manual_seed(0)
+    torch.manual_seed(v0 + 1)  # weights unlike any earlier push to this server
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     http = httpx.Client(timeout=300)
-    pushed = push_weights(model, 1, info=init_distributed("cpu"),
+    pushed = push_weights(model, v0 + 1, info=info,
                           transport=DiskSync(tmp_path / "sync", vllm_server.model_dir, http, engine_kind="auto"),
                           control=GatewayControl(gw.base_url, gw.admin_key, client=http))
     assert pushed.attempts == 1
     thread.join(timeout=300)
     assert not thread.is_alive() and result["reply"].choices[0].finish_reason in ("stop", "length")
 
-    assert httpx.get(f"{vllm_server.url}/weight_info").json() == {"weight_version": "1"}
+    assert httpx.get(f"{vllm_server.url}/weight_info").json() == {"weight_version": str(v0 + 1)}
     with gw.admin() as admin:
-        assert admin.get("/admin/weight_version").json() == {"weight_version": 1}
+        assert admin.get("/admin/weight_version").json() == {"weight_version": v0 + 1}
         assert admin.get("/admin/engines").json()["paused"] is False
     (turn,) = asyncio.run(_session_turns(gw.db, session["session_id"]))
     versions = list(turn.output_versions)
-    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions), versions[:5]
+    assert versions[0] == v0 and versions[-1] == v0 + 1 and versions == sorted(versions), versions[:5]
 
     # vLLM serves the pushed weights: its greedy logprobs now are the trainer's on the same tokens
     after = vllm_generate(vllm_server.url, probe, 4, temperature=0.0)
@@ -172,7 +175,7 @@ def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
 
 def test_client_disconnect_aborts_the_vllm_request(vllm_gateway: Any, vllm_server: VLLMServer) -> None:
     gw = vllm_gateway()
-    aborted = metric(vllm_server.url, "vllm:request_success_total", finished_reason="abort")
+    finished = metric(vllm_server.url, "vllm:request_success_total")  # stop/length/abort... (not a disconnect)
     client = sdk(gw, gw.agent_key)
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go on forever."}],
                                             max_tokens=1800, stream=True)
@@ -181,19 +184,19 @@ def test_client_disconnect_aborts_the_vllm_request(vllm_gateway: Any, vllm_serve
         got += len(chunk.choices)
         if got >= 3:
             break
+    assert metric(vllm_server.url, "vllm:num_requests_running") == 1
     stream.close()  # the agent goes away mid-stream
-    deadline = time.monotonic() + 60
-    while True:
-        running = metric(vllm_server.url, "vllm:num_requests_running")
-        now = metric(vllm_server.url, "vllm:request_success_total", finished_reason="abort")
-        if running == 0 and now == aborted + 1:
-            break
-        assert time.monotonic() < deadline, f"vLLM still runs it: running={running}, aborted {aborted}->{now}"
+    deadline = time.monotonic() + 60  # 1800 tokens take minutes here: only an abort ends it this soon
+    while metric(vllm_server.url, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "vLLM still generates for an agent that went away"
         time.sleep(0.2)
+    assert metric(vllm_server.url, "vllm:request_success_total") == finished  # it did not run to the end
 
 
 def test_killed_engine_gives_503(vllm_gateway: Any, vllm_server: VLLMServer) -> None:
     """Last in the module: it kills the session's vLLM server."""
+    if vllm_server.child is None:
+        pytest.skip("the vLLM server was not started by this run (AGENTRL_TEST_VLLM_URL)")
     gw = vllm_gateway()
     client = sdk(gw, gw.agent_key)
     ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
