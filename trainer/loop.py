@@ -147,7 +147,7 @@ def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo, clien
     backend = "nccl" if info.device.type == "cuda" else "gloo"
     return control, BroadcastSync(client=client, bucket_bytes=int(settings.sync_bucket_mb * 2**20),
                                   master_addr=settings.sync_master_addr, master_port=settings.sync_master_port,
-                                  backend=backend)
+                                  backend=backend, engine_kind=settings.engine_kind)
 
 
 def announce_trainer(control: Any, settings: TrainerSettings, version: int, info: DistInfo,

@@ -389,6 +389,7 @@ class BroadcastSync:
     backend: str = "gloo"
     group_name: str = "weight_update_group"
     timeout_s: float = 120.0
+    engine_kind: str = "sglang"  # sglang | vllm | auto: vLLM engines are refused (not implemented)
 
     def __post_init__(self) -> None:
         self.group = None
@@ -420,6 +421,10 @@ class BroadcastSync:
     def connect(self, engines: list[str]) -> None:
         """Rank 0 only: form the group with every engine. The trainer is rank 0; engine ``i`` takes
         ``tp_size`` ranks from ``rank_offset`` (1 + the ranks of the engines before it)."""
+        kinds = EngineSet(self.client, self.engine_kind)
+        if any(kinds(url).kind == "vllm" for url in engines):
+            raise WeightSyncError("broadcast pushes to vLLM are not implemented (vLLM's NCCL weight transfer needs "
+                                  "its own process group on the trainer); use --sync-mode disk")
         from agentrl.weight_group import init_weight_group
 
         self.disconnect()
