@@ -25,7 +25,8 @@ from tests.gateway.conftest import GatewayProc
 from tests.gateway.test_processes import full_sequences, read_turns
 from tests.vllm.conftest import VLLMServer
 
-pytestmark = pytest.mark.slow
+# the first test also waits for the session's vLLM server: creating .venv-vllm (CI) and the warm-up take minutes
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def sdk(gw: GatewayProc, key: str) -> openai.OpenAI:
