@@ -119,15 +119,15 @@ class VLLMOps:
 
 
 def probe_kind(client: httpx.Client, url: str) -> str:
+    """``vllm`` when the engine 404s ``GET /get_model_info`` and answers ``GET /version``; otherwise
+    ``sglang`` (the protocol every engine spoke before vLLM, whose own routes then report what is wrong)."""
     url = url.rstrip("/")
     try:
-        if client.get(f"{url}/get_model_info", timeout=10.0).status_code == 200:
+        if client.get(f"{url}/get_model_info", timeout=10.0).status_code != 404:
             return "sglang"
-        if client.get(f"{url}/version", timeout=10.0).status_code == 200:
-            return "vllm"
+        return "vllm" if client.get(f"{url}/version", timeout=10.0).status_code == 200 else "sglang"
     except httpx.HTTPError as exc:
         raise EngineOpsError(f"cannot reach engine {url}: {exc!r}") from exc
-    raise EngineOpsError(f"engine {url} answers neither GET /get_model_info (SGLang) nor GET /version (vLLM)")
 
 
 def engine_ops(client: httpx.Client, url: str, kind: str = "auto") -> SGLangOps | VLLMOps:
