@@ -618,4 +618,20 @@ class TrajectoryService:
             "queue": asdict(counts),
             "trainer": state.as_dict() if state else None,
             "settings": asdict(self.settings),
+            "waiting": await self.why_waiting(counts.ready, state),
         }
+
+    async def why_waiting(self, ready: int, state: Any) -> str:
+        """One line on why a trainer gets no data, e.g. "6 groups open (24 sessions: 24 active, 0 finished),
+        0 ready to lease, staleness budget full (24 of 24 sessions admitted)"."""
+        live = [s for s in await self.store.list_sessions(status=["active", "finished"]) if not s.is_eval]
+        groups: dict[str, list[SessionRecord]] = defaultdict(list)
+        for s in live:
+            groups[s.group_id].append(s)
+        active = sum(s.status == "active" for s in live)
+        line = (f"{len(groups)} groups open ({len(live)} sessions: {active} active, {len(live) - active} "
+                f"finished), {ready} ready to lease")
+        if state is None:
+            return line + ", no trainer registered (no staleness budget)"
+        full = "full" if state.admitted >= state.limit else "not full"
+        return line + f", staleness budget {full} ({state.admitted} of {state.limit} sessions admitted)"

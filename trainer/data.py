@@ -64,6 +64,14 @@ class LeaseClient:
             raise GatewayError(f"GET /v1/trajectories answered {resp.status_code}: {resp.text[:300]}")
         return parse_lease(resp.content, resp.headers)
 
+    def why_waiting(self) -> str:
+        """The gateway's one-line account of why no group is ready (``GET /v1/trajectories/stats``)."""
+        try:
+            resp = self.client.get(f"{self.base}/v1/trajectories/stats", headers=self.headers)
+            return str(resp.json().get("waiting") or f"stats answered {resp.status_code}")
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            return f"cannot ask the gateway why: {exc}"
+
     def ack(self, lease_id: str) -> None:
         try:
             resp = self.client.post(f"{self.base}/v1/trajectories/ack", json={"lease_id": lease_id}, headers=self.headers)

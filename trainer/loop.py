@@ -61,14 +61,18 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
     http = http or httpx.Client(timeout=120.0)
     leases = LeaseClient(settings.gateway, settings.admin_key, client=http) if info.is_main else None
     control, transport = build_sync(settings, model_dir, info, http)
-    if control is None and info.is_main:  # no pushes, but the gateway's admission still needs the trainer
-        control = GatewayControl(settings.gateway, settings.admin_key, client=http)
+    if control is None and info.is_main:
+        # Nothing is pushed, so the served weights keep their version: telling the gateway a new version
+        # after each step would hold every row generated since as stale (and announce weights that do not
+        # exist). The trainer therefore does not register: no version, no staleness budget from it.
+        log.warning("--sync-mode none: weights are never pushed; the gateway's weight version and staleness "
+                    "budget are left alone (this trainer does not register with POST /admin/trainer)")
     announce_trainer(control, settings, state.version, info)
     if resume_from is not None and transport is not None:  # engines may have restarted on the base weights
         push_weights(model, state.version, info=info, transport=transport, control=control,
                      retries=settings.sync_retries)
     metrics_out = open_metrics(settings, info)
-    idle_since = time.monotonic()
+    idle_since = explained_at = time.monotonic()
     stop_at = state.step + settings.steps if settings.steps else None  # --steps counts from here
     trained_since_save = False
 
@@ -78,8 +82,9 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
             if settings.max_idle_s and time.monotonic() - idle_since > settings.max_idle_s:
                 log.warning("no data for %.0f s; stopping", settings.max_idle_s)
                 break
+            explained_at = explain_wait(leases, idle_since, explained_at)
             continue
-        idle_since = time.monotonic()
+        idle_since = explained_at = time.monotonic()
         rows, dropped = drop_duplicates(lease.rows, seen)
         if not rows:  # everything was trained on already: a re-delivery after a crash before the ack
             ack(leases, lease, info)
@@ -148,6 +153,18 @@ def build_sync(settings: TrainerSettings, model_dir: Path, info: DistInfo, clien
     return control, BroadcastSync(client=client, bucket_bytes=int(settings.sync_bucket_mb * 2**20),
                                   master_addr=settings.sync_master_addr, master_port=settings.sync_master_port,
                                   backend=backend, engine_kind=settings.engine_kind)
+
+
+WAIT_EXPLAIN_S = 60.0
+
+
+def explain_wait(leases: LeaseClient | None, idle_since: float, explained_at: float) -> float:
+    """After each minute without data, log the gateway's account of why (groups open, ready, budget)."""
+    now = time.monotonic()
+    if leases is None or now - explained_at < WAIT_EXPLAIN_S:
+        return explained_at
+    log.warning("no data for %.0f s: %s", now - idle_since, leases.why_waiting())
+    return now
 
 
 def announce_trainer(control: Any, settings: TrainerSettings, version: int, info: DistInfo,

@@ -120,6 +120,9 @@ async def test_group_over_budget_is_429_with_nothing_created(make_gw: Any) -> No
         assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
         assert resp.json()["error"]["code"] == "staleness_budget"
         assert len((await admin_get(gw, "/v1/sessions"))["data"]) == 3 and await admitted(gw) == 3
+        stats = await admin_get(gw, "/v1/trajectories/stats")
+        assert stats["waiting"] == ("1 groups open (3 sessions: 3 active, 0 finished), 0 ready to lease, "
+                                    "staleness budget not full (3 of 4 sessions admitted)")
         # A group that could never fit is a 400, not an endless 429.
         resp = await gw.post("/v1/groups", {"size": 5}, key=ADMIN)
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "group_too_large"

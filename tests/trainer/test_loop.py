@@ -189,3 +189,35 @@ def test_only_the_newest_k_checkpoints_are_kept(tmp_path, dist_info):
     train(_settings(tmp_path, steps=3, save_every=1, batch_groups=1, group_size=2, keep_checkpoints=2),
           http=FakeGateway(batches).client())
     assert [p.name for p in sorted((tmp_path / "ckpt").glob("step_*"))] == ["step_000002", "step_000003"]
+
+
+def test_sync_mode_none_never_announces_a_version_it_did_not_push(tmp_path, dist_info):
+    """With --sync-mode none the served weights never change: the trainer trains (its own version moves)
+    but tells the gateway no version (before, it announced v+1 after every step, so the gateway held every
+    row generated since as stale) and touches no admin route."""
+    gw = FakeGateway([synthetic_rows(2, 3, seed=5)])
+    state = train(_settings(tmp_path, steps=1), http=gw.client())
+    assert (state.step, state.version) == (1, 1) and gw.acked == ["lease-1"]
+    assert gw.admin == []
+
+
+def test_a_trainer_waiting_over_a_minute_logs_why(caplog):
+    import time
+
+    from trainer.data import LeaseClient
+    from trainer.loop import explain_wait
+
+    why = "6 groups open (24 sessions: 24 active, 0 finished), 0 ready to lease, staleness budget full (24 of 24 sessions admitted)"
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(200, json={"waiting": why})
+
+    leases = LeaseClient("http://gw", "k", client=httpx.Client(transport=httpx.MockTransport(handler)))
+    now = time.monotonic()
+    assert explain_wait(leases, now - 30, now - 30) == now - 30 and seen == []  # under a minute: quiet
+    with caplog.at_level("WARNING", logger="trainer"):
+        later = explain_wait(leases, now - 61, now - 61)
+    assert later >= now and seen == ["/v1/trajectories/stats"]
+    assert "no data for 61 s: " + why in caplog.text
