@@ -423,7 +423,18 @@ class TrajectoryService:
                 await self._consider(chunk, size, row, now, busy)
 
         await asyncio.gather(*(consider(chunk, size, row) for chunk, size, row in chunks))
+        await self._close_deserted(set(groups), now)
         await self._upkeep()
+
+    async def _close_deserted(self, live_groups: set[str], now: float) -> None:
+        """Give back the unused places of groups none of whose sessions is left (all abandoned or exported
+        while places were still free), once they are older than the group timeout."""
+        unused = 0
+        for group in await self.store.open_groups(created_before=now - self.settings.group_timeout_s):
+            if group.id not in live_groups:
+                unused += await self.store.close_group(group_id=group.id, status="closed")
+        if unused:
+            await self.staleness.release(unused)
 
     async def _maybe_finish_idle(self, s: SessionRecord, now: float, busy: set[str]) -> SessionRecord:
         if s.status != "active" or now - s.last_activity_at < self.settings.idle_timeout_s or s.id in busy:

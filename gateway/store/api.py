@@ -386,6 +386,15 @@ class Store:
             rows = (await conn.execute(sa.select(g).where(g.c.id.in_(ids)))).mappings().all()
         return {row["id"]: group_from_row(row) for row in rows}
 
+    async def open_groups(self, *, created_before: float) -> list[GroupRecord]:
+        """Open groups with places never taken, created before ``created_before`` (for the lifecycle to
+        close when none of their sessions is left)."""
+        g = schema.groups
+        query = sa.select(g).where(g.c.status == "open", g.c.created < g.c.places, g.c.created_at < created_before)
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [group_from_row(row) for row in rows]
+
     async def close_group(self, *, group_id: str, status: str) -> int:
         """Move an open group to ``status`` (``closed`` or ``abandoned``) and return its unused places
         (reserved, never created), which the caller gives back to the budget; 0 if it was not open."""

@@ -6,6 +6,7 @@ real lifecycle loop and the real ``openai`` SDK (see ``test_openai_inprocess``).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -232,3 +233,19 @@ async def test_six_groups_of_four_against_one_groups_budget_all_complete(make_gw
         for g in range(6):
             got = await admin_get(gw, f"/v1/groups/task-{g}")
             assert got["status"] == "exported" and len(got["sessions"]) == 4
+
+
+async def test_places_of_a_group_whose_sessions_were_all_abandoned_come_back(make_gw: Any) -> None:
+    """A group id's first session reserves four places; two sessions are created and both abandoned: their
+    places come back at once, the two never used after the group timeout (no session is left to time out)."""
+    async with make_gw(["4"]) as gw:
+        await trainer(gw, 0, batch_size=2)  # limit 8
+        made = [await gw.session(group_id="deserted") for _ in range(2)]
+        assert await admitted(gw) == 4
+        for s in made:
+            assert (await gw.post(f"/v1/sessions/{s['session_id']}/abandon", key=ADMIN)).status_code == 200
+        assert await admitted(gw) == 2
+        service = gw.app.state.trajectories
+        await service.tick(now=time.time() + service.settings.group_timeout_s + 1)
+        assert await admitted(gw) == 0
+        assert (await admin_get(gw, "/v1/groups/deserted"))["status"] == "abandoned"
