@@ -129,7 +129,8 @@ def up(settings: UpSettings) -> dict[str, Any]:
     out = Path(settings.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
-    admin_key = secrets.token_urlsafe(16)
+    admin_key = secrets.token_urlsafe(16)  # the trainer's: pause/resume, leasing, trainer version
+    runner_key = "runner-" + secrets.token_urlsafe(16)  # the agents': sessions, groups, rewards only
     t0 = time.monotonic()
     say = lambda msg: print(f"[agentrl up {time.monotonic() - t0:6.0f}s] {msg}", flush=True)  # noqa: E731
 
@@ -148,7 +149,7 @@ def up(settings: UpSettings) -> dict[str, Any]:
             gateway_url = f"http://127.0.0.1:{gport}"
             db = settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}"
             gateway_args = ["gateway", "--engine-url", engine_url, "--db", db, "--port", str(gport),
-                            "--admin-key", admin_key, "--gamma", str(settings.gamma)]
+                            "--admin-key", admin_key, "--runner-key", runner_key, "--gamma", str(settings.gamma)]
             if settings.redis:
                 gateway_args += ["--redis", settings.redis]
             say(f"starting gateway on :{gport} (db {db})")
@@ -166,14 +167,14 @@ def up(settings: UpSettings) -> dict[str, Any]:
 
             evals: dict[str, dict[str, Any]] = {}
             say(f"evaluating on {settings.eval_limit} held-out prompts (greedy)")
-            evals["before"] = _run_agents(settings, gateway_url, admin_key, eval=True)
+            evals["before"] = _run_agents(settings, gateway_url, runner_key, eval=True)
             say(f"eval before: turn-1 accuracy {evals['before']['accuracy_turn1']}, "
                 f"final {evals['before']['accuracy_final']}, mean reward {evals['before']['mean_reward']}")
 
             steps: list[dict[str, Any]] = []
             for step in range(settings.steps):
                 started = time.monotonic()
-                summary = _run_agents(settings, gateway_url, admin_key, eval=False, offset=step * settings.batch_groups)
+                summary = _run_agents(settings, gateway_url, runner_key, eval=False, offset=step * settings.batch_groups)
                 _wait_for_version(procs, gateway_url, admin_key, step + 1, settings.step_timeout_s)
                 row = {"step": step, "mean_reward": summary["mean_reward"] or 0.0,
                        "turn1_accuracy": summary["accuracy_turn1"] or 0.0,
@@ -185,7 +186,7 @@ def up(settings: UpSettings) -> dict[str, Any]:
                     f"{row['turn1_accuracy']:.3f}, final acc {row['final_accuracy']:.3f} ({row['seconds']}s)")
 
             say("evaluating again")
-            evals["after"] = _run_agents(settings, gateway_url, admin_key, eval=True)
+            evals["after"] = _run_agents(settings, gateway_url, runner_key, eval=True)
             say(f"eval after: turn-1 accuracy {evals['after']['accuracy_turn1']}, "
                 f"final {evals['after']['accuracy_final']}, mean reward {evals['after']['mean_reward']}")
             trainer = next(c for c in procs.children if c.name == "trainer")

@@ -23,7 +23,9 @@ sys.path.insert(0, str(REPO))
 COMPOSE_VARIABLES: list[tuple[str, str, bool, str]] = [
     ("COMPOSE_PROJECT_NAME", "agentrl", True, "Compose project name (prefix of containers, volumes, network)"),
     ("ADMIN_KEY", "change-me-admin-key", True,
-     "Admin key of the gateway (sessions, trajectories, /admin); the trainer and the agent runner use it too"),
+     "Admin key of the gateway (engines, pause/resume, trajectories, trainer version): the trainer's"),
+    ("RUNNER_KEY", "change-me-runner-key", True,
+     "Runner key: sessions, groups, rewards, finish/abandon only; the agent runner uses it"),
     ("AGENT_KEY", "change-me-agent-key", True,
      "Agent key: agents that only know a base URL and a key are served in implicit mode with it"),
     ("POSTGRES_PASSWORD", "change-me-postgres", True, "Password of the PostgreSQL user (used in the gateway's --db URL)"),

@@ -1,7 +1,15 @@
 """Who is calling and which session a request belongs to.
 
-A bearer key is, in this order: the admin key, one of the agent keys, or a session's own key (looked up
-in the store by its hash). A chat request is bound to a session by
+A bearer key is, in this order: the admin key, one of the runner keys, one of the agent keys, or a
+session's own key (looked up in the store by its hash). What each may reach:
+
+- admin: everything (engines, pause/resume, trajectory leasing, the trainer's version, every session);
+- runner (``--runner-key``, what an agent runner needs): create and list sessions and groups, post rewards,
+  finish, abandon and read any session; no engine control, no leasing, no trainer version;
+- agent (``--agent-key``): generation, and only the implicit sessions created under that same key;
+- session key: generation, rewards, finish and read of its own session.
+
+A chat request is bound to a session by
 
 - the session key (``Authorization: Bearer <session key>``), or
 - the URL ``/sessions/{session_id}/v1/...`` (with that session's key, an agent key or the admin key; a
@@ -40,13 +48,19 @@ from gateway.settings import GatewaySettings
 from gateway.store import SessionRecord, Store
 from gateway.store import errors as store_errors
 
-Role = Literal["admin", "agent", "session"]
+Role = Literal["admin", "runner", "agent", "session"]
 
 
 @dataclass(slots=True)
 class Caller:
     role: Role
     session: SessionRecord | None = None  # the session whose key was used (role "session")
+    owner: str | None = None  # agent keys: a fingerprint recorded in the implicit sessions they create
+
+
+def key_owner(key: str) -> str:
+    """The fingerprint of an agent key stored in its implicit sessions (never the key itself)."""
+    return "agent-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def bearer(request: Request) -> str:
@@ -74,9 +88,11 @@ def _matches(key: str, candidates: Sequence[str]) -> bool:
 async def authenticate(request: Request, settings: GatewaySettings, store: Store) -> Caller:
     key = bearer(request)
     if _matches(key, [settings.admin_key]):
-        return Caller("admin")
+        return Caller("admin", owner="admin")
+    if settings.runner_key and _matches(key, settings.runner_key):
+        return Caller("runner", owner="runner")
     if settings.agent_key and _matches(key, settings.agent_key):
-        return Caller("agent")
+        return Caller("agent", owner=key_owner(key))
     try:
         session = await store.get_session_by_key(api_key=key)
     except store_errors.NotFound:
@@ -89,6 +105,12 @@ async def authenticate(request: Request, settings: GatewaySettings, store: Store
 def require_admin(caller: Caller) -> None:
     if caller.role != "admin":
         raise PermissionDenied("this endpoint needs the admin key")
+
+
+def require_runner(caller: Caller) -> None:
+    """Session and group management and rewards: a runner key or the admin key."""
+    if caller.role not in ("admin", "runner"):
+        raise PermissionDenied("this endpoint needs a runner key (--runner-key) or the admin key")
 
 
 async def load_session(store: Store, session_id: str) -> SessionRecord:
@@ -109,14 +131,28 @@ async def session_for(caller: Caller, url_session_id: str | None, store: Store) 
                 f"this API key belongs to another session, not {url_session_id!r}", code="foreign_session")
         return caller.session
     if url_session_id is not None:
-        return await load_session(store, url_session_id)
+        record = await load_session(store, url_session_id)
+        may_access_session(caller, record)
+        return record
     return None
 
 
-def may_access_session(caller: Caller, session_id: str) -> None:
-    """Admin: any session; a session key: its own; agent keys: any (they act for implicit episodes)."""
-    if caller.role == "session" and (caller.session is None or caller.session.id != session_id):
-        raise PermissionDenied("this API key belongs to another session", code="foreign_session")
+def owns(caller: Caller, record: SessionRecord) -> bool:
+    """Whether ``caller`` may act on ``record`` (see the module docstring)."""
+    if caller.role in ("admin", "runner"):
+        return True
+    if caller.role == "session":
+        return caller.session is not None and caller.session.id == record.id
+    metadata = record.metadata or {}
+    return bool(metadata.get("implicit")) and metadata.get("owner") == caller.owner
+
+
+def may_access_session(caller: Caller, record: SessionRecord) -> None:
+    if not owns(caller, record):
+        if caller.role == "session":
+            raise PermissionDenied("this API key belongs to another session", code="foreign_session")
+        raise PermissionDenied("an agent key reaches only the implicit sessions created under it",
+                               code="foreign_session")
 
 
 def group_of_root(request_hash: str, tools: Any) -> str:

@@ -197,7 +197,7 @@ class InFlight:
             self._local[session_id] -= 1
             if not self._local[session_id]:
                 del self._local[session_id]
-            if self._members.pop(member, None) is not None:
+            if self._members.pop(member, None) is not None and self.redis is not None:
                 try:
                     await self.redis.zrem(self._key(session_id), member)
                 except RedisError as exc:

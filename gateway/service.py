@@ -118,8 +118,10 @@ def _ms(start: float) -> float:
 
 
 class GenerationService:
-    def __init__(self, svc: Services) -> None:
+    def __init__(self, svc: Services, *, owner: str | None = None) -> None:
         self.svc = svc
+        self.owner = owner  # the caller's fingerprint: implicit episodes are created under it and only
+        #                     continued by the same key (``gateway.binding.owns``)
 
     # ------------------------------------------------------------------------------------ in flight
     async def _track(self, turn: AsyncExitStack, session: SessionRecord | None) -> None:
@@ -171,8 +173,9 @@ class GenerationService:
                     found = None
                 except store_errors.StoreError as exc:
                     raise from_store_error(exc) from exc
-                if found is not None and found.status == "active":
-                    session = found
+                owner = (found.metadata or {}).get("owner") if found is not None else None
+                if found is not None and found.status == "active" and owner == self.owner:
+                    session = found  # another key's identical conversation is not continued: a new root
         if session is not None and session.status != "active":
             raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
                            code="session_not_active")
@@ -297,7 +300,7 @@ class GenerationService:
                     sessions.append(plan.session.id)
                 else:
                     created = await store.create_session(group_id=plan.group_id,
-                                                         metadata={"implicit": True})
+                                                         metadata={"implicit": True, "owner": self.owner})
                     plan.handed += 1
                     sessions.append(created.id)
             rows = []

@@ -28,6 +28,9 @@ class GatewaySettings:
     port: int = field(default=8000, metadata={"help": "port to listen on"})
     admin_key: str = field(default="", metadata={
         "help": "bearer key for /admin/*, POST /v1/sessions and trajectory leasing (required)"})
+    runner_key: list[str] = field(default_factory=list, metadata={
+        "help": "bearer key(s) for agent runners: create/list sessions and groups, post rewards, finish and "
+                "abandon sessions; no engine control, trajectory leasing or trainer version (repeatable)"})
     agent_key: list[str] = field(default_factory=list, metadata={
         "help": "bearer key(s) agents may use without a session: implicit episodes (repeatable)"})
     tokenizer: str | None = field(default=None, metadata={
@@ -91,6 +94,8 @@ class GatewaySettings:
             raise SettingsError("no admin key: pass --admin-key KEY (or set AGENTRL_GATEWAY_ADMIN_KEY)")
         if self.admin_key in self.agent_key:
             raise SettingsError("--agent-key must differ from --admin-key (agents must not get admin rights)")
+        if self.admin_key in self.runner_key or set(self.runner_key) & set(self.agent_key):
+            raise SettingsError("--runner-key must differ from --admin-key and every --agent-key")
         if not 0 < self.port < 65536:
             raise SettingsError(f"--port {self.port} is not a valid TCP port (1-65535)")
         if self.max_body_bytes < 1024:

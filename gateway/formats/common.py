@@ -7,7 +7,7 @@ import logging
 import secrets
 from typing import Any
 
-from gateway.binding import Caller, may_access_session
+from gateway.binding import Caller, load_session, may_access_session
 from gateway.errors import InvalidRequest, NotFound, from_store_error
 from gateway.store import Interaction, Store
 from gateway.store import errors as store_errors
@@ -36,7 +36,7 @@ async def load_turn(store: Store, who: Caller, turn_id: str, param: str) -> Inte
         raise NotFound(f"no response with id {turn_id!r}", param=param) from None
     except store_errors.StoreError as exc:
         raise from_store_error(exc) from exc
-    may_access_session(who, turn.session_id)
+    may_access_session(who, await load_session(store, turn.session_id))
     return turn
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from gateway.binding import require_admin
 from gateway.context import services
 from gateway.control import ControlPlane
-from gateway.routes.common import caller, read_json
+from gateway.routes.common import caller, json_body, read_json
 from gateway.trainer_log import trainer_log
 from gateway.wire import PauseRequest, ResumeRequest, TrainerStatus
 
@@ -36,7 +36,7 @@ async def engines(request: Request) -> JSONResponse:
                          "held": r.held, "weight_version": r.weight_version})
 
 
-@router.post("/pause")
+@router.post("/pause", openapi_extra=json_body(PauseRequest))
 async def pause(request: Request) -> JSONResponse:
     await _admin(request)
     body = await read_json(request, PauseRequest, allow_empty=True)
@@ -46,7 +46,7 @@ async def pause(request: Request) -> JSONResponse:
     return JSONResponse({"paused": True, "held": svc.router.held, "weight_version": svc.router.weight_version})
 
 
-@router.post("/resume")
+@router.post("/resume", openapi_extra=json_body(ResumeRequest))
 async def resume(request: Request) -> JSONResponse:
     await _admin(request)
     body = await read_json(request, ResumeRequest)
@@ -62,7 +62,7 @@ async def weight_version(request: Request) -> JSONResponse:
     return JSONResponse({"weight_version": services(request).router.weight_version})
 
 
-@router.post("/trainer")
+@router.post("/trainer", openapi_extra=json_body(TrainerStatus))
 async def trainer(request: Request) -> JSONResponse:
     await _admin(request)
     body = await read_json(request, TrainerStatus)

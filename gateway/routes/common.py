@@ -19,6 +19,17 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
+BODY_SCHEMAS: dict[str, Any] = {}  # JSON Schemas that request bodies refer to (``components.schemas``)
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` documenting a route's JSON body as ``model`` (routes parse bodies themselves with
+    :func:`read_json`, so FastAPI cannot see them); served in ``GET /openapi.json``."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    BODY_SCHEMAS.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 async def read_body(request: Request) -> bytes:
     limit = services(request).settings.max_body_bytes
     declared = request.headers.get("content-length")

@@ -1,4 +1,4 @@
-"""GRPO groups admitted as a whole (admin key): create, inspect, abandon. See ``gateway.groups``."""
+"""GRPO groups admitted as a whole (runner or admin key): create, inspect, abandon. See ``gateway.groups``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway import groups
-from gateway.binding import require_admin
+from gateway.binding import require_runner
 from gateway.context import services
 from gateway.routes.common import caller, read_json
 from gateway.wire import GroupCreate
@@ -18,7 +18,7 @@ router = APIRouter()
 async def create_group(request: Request) -> JSONResponse:
     """``{"size", "group_id"?, "task_id"?, "metadata"?}`` -> the group and all its sessions, or 429."""
     svc = services(request)
-    require_admin(await caller(request))
+    require_runner(await caller(request))
     body = await read_json(request, GroupCreate)
     group, sessions = await groups.create_group(svc, size=body.size, group_id=body.group_id,
                                                 task_id=body.task_id, metadata=body.metadata or {})
@@ -33,7 +33,7 @@ async def create_group(request: Request) -> JSONResponse:
 @router.get("/v1/groups/{group_id}")
 async def get_group(group_id: str, request: Request) -> JSONResponse:
     svc = services(request)
-    require_admin(await caller(request))
+    require_runner(await caller(request))
     return JSONResponse(await groups.describe_group(svc, group_id))
 
 
@@ -41,5 +41,5 @@ async def get_group(group_id: str, request: Request) -> JSONResponse:
 async def abandon_group(group_id: str, request: Request) -> JSONResponse:
     """Abandon every session of the group not yet consumed and give its places back."""
     svc = services(request)
-    require_admin(await caller(request))
+    require_runner(await caller(request))
     return JSONResponse(await groups.abandon_group(svc, group_id))

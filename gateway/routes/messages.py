@@ -41,7 +41,7 @@ async def create_message(request: Request) -> Response:
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
     conv = fmt.to_conversation(req, svc.settings.unsupported_tools == "reject")
     chat = fmt.to_chat_request(req, conv)
-    service = GenerationService(svc)
+    service = GenerationService(svc, owner=who.owner)
     if req.stream:
         plan, runs, events = await service.stream_turn(chat, session, id_prefix="msg_",
                                                        meta=fmt.recorded_meta(conv))

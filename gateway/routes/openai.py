@@ -15,7 +15,7 @@ from gateway.binding import session_for
 from gateway.context import services
 from gateway.errors import InvalidRequest, NotFound
 from gateway.formats import chat
-from gateway.routes.common import caller, read_json
+from gateway.routes.common import caller, json_body, read_json
 from gateway.service import GenerationService
 from gateway.wire import ChatCompletionRequest, CompletionRequest
 
@@ -38,8 +38,8 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
     req = await read_json(request, model)
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
     if isinstance(req, CompletionRequest) and len(req.prompts) > 1:
-        return await _completion_batch(request, req, session)
-    service = GenerationService(svc)
+        return await _completion_batch(request, req, session, who.owner)
+    service = GenerationService(svc, owner=who.owner)
     if req.stream:
         plan, runs, events = await service.stream_turn(req, session)
         return StreamingResponse(stream(req, plan, runs, events, svc.model_name, svc.tokenizer),
@@ -48,17 +48,18 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
     return _json(plain(req, plan, runs, svc.model_name, svc.tokenizer))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, ChatCompletionRequest, chat.chat_response, chat.chat_chunks)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     return await _generate(request, CompletionRequest, chat.completion_response, chat.completion_chunks)
 
 
-async def _completion_batch(request: Request, req: CompletionRequest, session: Any) -> Response:
+async def _completion_batch(request: Request, req: CompletionRequest, session: Any, owner: str | None
+                            ) -> Response:
     """A ``prompt`` list of several prompts: one turn per prompt, run concurrently, answered as one
     ``text_completion`` whose choice ``i * n + j`` is choice ``j`` of prompt ``i`` (as OpenAI numbers them).
     Each turn is recorded on its own; streaming a batch is refused (400)."""
@@ -66,7 +67,7 @@ async def _completion_batch(request: Request, req: CompletionRequest, session: A
     if req.stream:
         raise InvalidRequest("streaming a batch of prompts is not supported; send one prompt per request, "
                              "or stream: false", param="prompt")
-    service = GenerationService(svc)
+    service = GenerationService(svc, owner=owner)
     turns = await asyncio.gather(*(service.run_turn(req.model_copy(update={"prompt": p}), session)
                                    for p in req.prompts))
     bodies = [chat.completion_response(req, plan, runs, svc.model_name, svc.tokenizer) for plan, runs in turns]

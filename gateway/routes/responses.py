@@ -44,7 +44,7 @@ async def create_response(request: Request) -> Response:
         history = await conversation_of(svc.store, previous, "previous_response_id")
     conv = fmt.to_conversation(req, history, svc.settings.unsupported_tools == "reject")
     chat = fmt.to_chat_request(req, conv)
-    service = GenerationService(svc)
+    service = GenerationService(svc, owner=who.owner)
     if req.stream:
         plan, runs, events = await service.stream_turn(chat, session, id_prefix="resp_",
                                                        meta=fmt.recorded_meta(conv))

@@ -5,18 +5,18 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from gateway.binding import may_access_session
+from gateway.binding import load_session, may_access_session
 from gateway.context import services
 from gateway.errors import NotFound, from_store_error
-from gateway.routes.common import caller, read_json
+from gateway.routes.common import caller, json_body, read_json
 from gateway.store import errors as store_errors
 from gateway.wire import RewardRequest
 
 router = APIRouter()
 
 
-@router.post("/reward")
-@router.post("/v1/reward")
+@router.post("/reward", openapi_extra=json_body(RewardRequest))
+@router.post("/v1/reward", openapi_extra=json_body(RewardRequest))
 async def post_reward(request: Request) -> JSONResponse:
     svc = services(request)
     who = await caller(request)
@@ -27,10 +27,10 @@ async def post_reward(request: Request) -> JSONResponse:
                 turn = await svc.store.get_interaction(interaction_id=body.response_id)
             except store_errors.NotFound:
                 raise NotFound(f"no response {body.response_id!r}", param="response_id") from None
-            may_access_session(who, turn.session_id)
+            may_access_session(who, await load_session(svc.store, turn.session_id))
         else:
             assert body.session_id is not None
-            may_access_session(who, body.session_id)
+            may_access_session(who, await load_session(svc.store, body.session_id))
         record = await svc.store.set_reward(
             reward=body.reward, source=body.source or who.role,
             interaction_id=body.response_id, session_id=None if body.response_id else body.session_id)

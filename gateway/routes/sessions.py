@@ -1,4 +1,4 @@
-"""Sessions: create (admin), list, finish, abandon, and the turn tree as JSON."""
+"""Sessions: create and list (runner or admin key), finish, abandon, and the turn tree as JSON."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from gateway import groups
-from gateway.binding import load_session, may_access_session, require_admin
+from gateway.binding import load_session, may_access_session, require_runner
 from gateway.context import services
 from gateway.errors import InvalidRequest, from_store_error
-from gateway.routes.common import caller, read_json
+from gateway.routes.common import caller, json_body, read_json
 from gateway.store import SESSION_STATUSES
 from gateway.store import errors as store_errors
 from gateway.wire import SessionCreate
@@ -24,10 +24,10 @@ def session_json(record: object) -> dict[str, object]:
     return {k: getattr(record, k) for k in keys}
 
 
-@router.post("/v1/sessions")
+@router.post("/v1/sessions", openapi_extra=json_body(SessionCreate))
 async def create_session(request: Request) -> JSONResponse:
     svc = services(request)
-    require_admin(await caller(request))
+    require_runner(await caller(request))
     body = await read_json(request, SessionCreate, allow_empty=True)
     record = await groups.create_session(svc, group_id=body.group_id, task_id=body.task_id,
                                          metadata=body.metadata or {})
@@ -41,7 +41,7 @@ async def create_session(request: Request) -> JSONResponse:
 async def list_sessions(request: Request) -> JSONResponse:
     """``?status=a,b&group_id=&limit=&cursor=``: oldest first, keyset-paginated by ``next_cursor``."""
     svc = services(request)
-    require_admin(await caller(request))
+    require_runner(await caller(request))
     q = request.query_params
     statuses = [x for x in q.get("status", "").split(",") if x] or None
     bad = [x for x in statuses or [] if x not in SESSION_STATUSES]
@@ -67,8 +67,7 @@ async def list_sessions(request: Request) -> JSONResponse:
 async def finish_session(session_id: str, request: Request) -> JSONResponse:
     svc = services(request)
     who = await caller(request)
-    may_access_session(who, session_id)
-    await load_session(svc.store, session_id)
+    may_access_session(who, await load_session(svc.store, session_id))
     try:
         record = await svc.store.finish_session(session_id=session_id)
     except store_errors.StoreError as exc:
@@ -80,8 +79,10 @@ async def finish_session(session_id: str, request: Request) -> JSONResponse:
 async def abandon_session(session_id: str, request: Request) -> JSONResponse:
     """Never train on this session and give its place in the staleness budget back (409 if consumed)."""
     svc = services(request)
-    require_admin(await caller(request))
-    record = await groups.abandon_session(svc, await load_session(svc.store, session_id))
+    who = await caller(request)
+    found = await load_session(svc.store, session_id)
+    may_access_session(who, found)
+    record = await groups.abandon_session(svc, found)
     return JSONResponse(session_json(record))
 
 
@@ -89,8 +90,7 @@ async def abandon_session(session_id: str, request: Request) -> JSONResponse:
 async def get_session(session_id: str, request: Request) -> JSONResponse:
     svc = services(request)
     who = await caller(request)
-    may_access_session(who, session_id)
-    await load_session(svc.store, session_id)
+    may_access_session(who, await load_session(svc.store, session_id))
     decode = None
     if request.query_params.get("decode", "").lower() in ("1", "true", "yes"):
         def decode(ids: list[int]) -> str:

@@ -85,8 +85,9 @@ def make_gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> Callable[..
     @asynccontextmanager
     async def make(replies: list[str], tok: Any = None, **overrides: Any) -> AsyncIterator[Gw]:
         engine = FlakyTransport(build_app(str(tiny_model_dir), replies, tokenizer=tokenizer))
-        settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                                   admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600, **overrides)
+        settings = GatewaySettings(**{"engine_url": ["http://engine"], "db": f"sqlite+aiosqlite:///{tmp_path}/gw.db",
+                                      "admin_key": ADMIN, "agent_key": [AGENT], "health_interval_s": 3600,
+                                      **overrides})
         settings.validate()
         async with httpx.AsyncClient(transport=engine) as engine_http:
             app = create_app(settings, http=engine_http, tokenizer=tok or tokenizer)
@@ -342,7 +343,7 @@ async def test_session_binding_by_key_by_url_and_implicit(make_gw: Any) -> None:
         s1, s2 = await gw.session(task_id="t"), await gw.session()
         assert s1["base_url"].endswith(f"/sessions/{s1['session_id']}/v1")
         msgs = [{"role": "user", "content": "hi"}]
-        by_url = gw.sdk(key=AGENT, base=f"/sessions/{s1['session_id']}/v1")
+        by_url = gw.sdk(key=ADMIN, base=f"/sessions/{s1['session_id']}/v1")  # agent keys: own implicit ones only
         r = await by_url.chat.completions.create(model="m", messages=msgs, max_tokens=5)
         assert (await gw.store.get_interaction(interaction_id=r.id)).session_id == s1["session_id"]
         # a session key on another session's URL: 403
@@ -379,23 +380,26 @@ async def test_session_binding_by_key_by_url_and_implicit(make_gw: Any) -> None:
 async def test_rewards(make_gw: Any) -> None:
     async with make_gw(["a"]) as gw:
         sess = await gw.session()
+
+        async def post(path: str, body: Any = None, raw: bytes | None = None) -> Any:
+            return await gw.post(path, body, key=sess["api_key"], raw=raw)  # the session's own key
         r = await gw.sdk(key=sess["api_key"]).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
-        ok = await gw.post("/reward", {"response_id": r.id, "reward": 1.5})
+        ok = await post("/reward", {"response_id": r.id, "reward": 1.5})
         assert ok.status_code == 200 and ok.json()["reward"] == 1.5
         assert (await gw.store.get_interaction(interaction_id=r.id)).reward == 1.5
-        assert (await gw.post("/reward", {"session_id": sess["session_id"], "reward": 0})).status_code == 200
+        assert (await post("/reward", {"session_id": sess["session_id"], "reward": 0})).status_code == 200
         for raw in (b'{"response_id": "%s", "reward": NaN}', b'{"response_id": "%s", "reward": Infinity}',
                     b'{"response_id": "%s", "reward": -Infinity}', b'{"response_id": "%s", "reward": "1.0"}',
                     b'{"response_id": "%s", "reward": true}', b'{"response_id": "%s"}'):
-            resp = await gw.post("/reward", raw=raw % r.id.encode())
+            resp = await post("/reward", raw=raw % r.id.encode())
             assert resp.status_code == 400, raw
             assert resp.json()["error"]["type"] == "invalid_request_error"
-        resp = await gw.post("/reward", {"response_id": "chatcmpl-unknown", "reward": 1})
+        resp = await post("/reward", {"response_id": "chatcmpl-unknown", "reward": 1})
         assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
-        assert (await gw.post("/reward", {"session_id": "nope", "reward": 1})).status_code == 404
+        assert (await post("/reward", {"session_id": "nope", "reward": 1})).status_code == 404
         await gw.store.set_session_status(session_id=sess["session_id"], status="consumed")
-        assert (await gw.post("/reward", {"response_id": r.id, "reward": 2})).status_code == 409
+        assert (await post("/reward", {"response_id": r.id, "reward": 2})).status_code == 409
         assert (await gw.store.get_interaction(interaction_id=r.id)).reward == 1.5
 
 
