@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,7 +34,9 @@ import httpx
 
 from gateway.engine_client import EngineClient, EngineOutput, SamplingParams, _parse_version
 from gateway.engines import EngineInfo
-from gateway.errors import EngineError
+from gateway.errors import EngineError, GatewayError
+
+log = logging.getLogger("agentrl.gateway.engine")
 
 # The gateway's pause modes (SGLang's names) as vLLM's: in_place and retract both keep requests inside the
 # engine until resume; abort ends them (finish_reason "abort") so the router re-sends them after resume.
@@ -135,8 +138,11 @@ class VLLMClient(EngineClient):
         if done:
             return
         task = asyncio.ensure_future(self._post("/abort_requests", {"request_ids": [request_id]}, timeout=30.0))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failed abort is not fatal
-        await asyncio.shield(task)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if nobody waits
+        try:
+            await asyncio.shield(task)
+        except GatewayError as exc:  # the engine is gone or refuses: the error that ended the reader stands
+            log.info("abort of %s on %s failed: %s", request_id, self.base_url, exc)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
         body = self._body(input_ids, params, max_new_tokens, False)

@@ -248,3 +248,18 @@ async def test_a_reader_that_stops_early_aborts_the_vllm_request_by_its_id() -> 
     assert fake.aborted == ["generate-tokens-" + fake.requests[0]["request_id"]]
     done = [o async for o in client.generate_stream([1], SamplingParams(max_new_tokens=40), 40)]
     assert done[-1].finish == "stop" and len(fake.aborted) == 1  # a finished stream aborts nothing
+
+
+async def test_the_engines_refusal_stays_the_error_when_the_abort_fails_too() -> None:
+    async def refuse(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/abort_requests":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 2048 "
+                                                              "tokens.", "type": "BadRequestError", "code": 400}})
+
+    client = VLLMClient(BASE, httpx.AsyncClient(transport=httpx.MockTransport(refuse)))
+    with pytest.raises(ContextLengthExceeded):
+        await client.generate([1], SamplingParams(max_new_tokens=2), 2)
+    with pytest.raises(ContextLengthExceeded):
+        async for _ in client.generate_stream([1], SamplingParams(max_new_tokens=2), 2):
+            pass
