@@ -28,15 +28,17 @@ Nothing is recorded for a request that fails before step 6 (bad input, engine do
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.binding import group_of_root
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
@@ -58,6 +60,7 @@ from gateway.store import errors as store_errors
 from gateway.wire import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 log = logging.getLogger("agentrl.gateway.service")
+T = TypeVar("T")
 
 
 def _dumps(value: Any) -> bytes:
@@ -153,6 +156,18 @@ class GenerationService:
         except store_errors.StoreError as exc:
             raise from_store_error(exc) from exc
 
+    def _refuse_surely_too_long(self, messages: Any, tools: Any) -> None:
+        """Refuse, before rendering anything, input that cannot fit the context: no token decodes to more
+        than the vocabulary's longest token string, so ``chars / longest`` is a lower bound on its tokens
+        (a prompt of megabytes used to freeze the event loop while it was rendered and tokenized)."""
+        chars = _text_chars(messages) + _text_chars(tools)
+        tokens_at_least = chars // _longest_token(self.svc.tokenizer)
+        if tokens_at_least >= self.svc.context_length:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {self.svc.context_length} tokens; the messages hold "
+                f"{chars} characters, at least {tokens_at_least} tokens. Shorten the conversation.",
+                param="messages")
+
     async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> TurnPlan:
         started = time.perf_counter()
         try:
@@ -160,6 +175,7 @@ class GenerationService:
         except ChatFormatError as exc:
             raise from_chat_error(exc) from exc
         messages: list[dict[str, Any]] = req.messages
+        self._refuse_surely_too_long(messages, req.tools)
         hashes = chain_hashes(messages)
         candidates = [(k, hashes[k - 1]) for k in range(len(messages) - 1, 0, -1)
                       if messages[k - 1].get("role") == "assistant"]
@@ -204,7 +220,8 @@ class GenerationService:
                 reason = "tools_changed"
             else:
                 try:
-                    cont = template.continuation(history, new, tools, parent.output_ids, parent.finish_reason)
+                    cont = await _off_loop(template.continuation, history, new, tools, parent.output_ids,
+                                           parent.finish_reason)
                 except TemplateDriftError as exc:
                     reason = "template_drift"
                     metrics.drift.labels(exc.reason).inc()
@@ -213,7 +230,7 @@ class GenerationService:
                     full = await self.svc.store.full_sequence(interaction_id=parent.id)
                 except store_errors.StoreError as exc:
                     raise from_store_error(exc) from exc
-                if template.drift(full, history, tools, new):
+                if await _off_loop(template.drift, full, history, tools, new):
                     metrics.drift.labels("rerender_differs").inc()
                 request = {"messages": new, "tools": tools, "tool_choice": req.tool_choice,
                            "prefix_len": match.prefix_len, "params": params}
@@ -222,7 +239,7 @@ class GenerationService:
             root_reason = reason
         else:
             root_reason = "first_turn" if not candidates else "no_prefix_match"
-        prompt = template.render(messages, tools)
+        prompt = await _off_loop(template.render, messages, tools)
         request = {"messages": messages, "tools": tools, "tool_choice": req.tool_choice, "prefix_len": 0,
                    "params": params}
         return TurnPlan(None, None, prompt, prompt, 0, root_reason, request, "")
@@ -417,6 +434,9 @@ class GenerationService:
             await queue.put(("end", TurnEvent("end", run, last, gen)))
         except GatewayError as exc:
             await queue.put(("error", exc))
+        except Exception as exc:  # a bug in one choice ends the stream with an error event, never hangs it
+            log.exception("streamed choice %d failed", run.index, exc_info=exc)
+            await queue.put(("error", GatewayError("internal error in a streamed choice; see the gateway's log")))
 
     async def _start_streams(self, plan: TurnPlan, params: SamplingParams, runs: list[ChoiceRun],
                              turn: AsyncExitStack, chain: Callable[[ChoiceRun], str]) -> AsyncIterator[TurnEvent]:
@@ -490,6 +510,39 @@ class GenerationService:
             digest.update(_dumps(run.result.output_ids))
             return digest.hexdigest()
         return chain
+
+
+# Rendering and tokenizing take ~1 s per MB of text: run them off the event loop, one at a time (a fast
+# tokenizer releases the GIL, and one thread keeps its Rust state from being borrowed twice).
+_TOKENIZE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-tokenize")
+_LONGEST: dict[int, int] = {}
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, functools.partial(fn, *args))
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token string (at least 1), computed once per tokenizer."""
+    key = id(tokenizer)
+    if key not in _LONGEST:
+        try:
+            vocab = tokenizer.get_vocab()
+            _LONGEST[key] = max(1, max((len(t) for t in vocab), default=1))
+        except (AttributeError, NotImplementedError, TypeError):
+            _LONGEST[key] = 1_000_000  # unknown: never refuse early
+    return _LONGEST[key]
+
+
+def _text_chars(value: Any) -> int:
+    """Characters in every string of a JSON value (keys excluded)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
 
 
 def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:

@@ -53,3 +53,41 @@ async def test_unknown_field_names_are_a_bounded_label_set(make_gw: Any) -> None
         assert len(labels) == MAX_UNKNOWN_FIELD_LABELS + 1
         assert 'agentrl_gateway_unknown_fields_total{field="junk_0"} 1.0' in text
         assert 'agentrl_gateway_unknown_fields_total{field="_other"} 40.0' in text
+
+
+async def test_huge_input_is_refused_before_rendering_and_health_stays_live(make_gw: Any) -> None:
+    async with make_gw(["a"]) as gw:
+        rendered: list[int] = []
+        render = gw.svc.template.render
+
+        def counting(*args: Any, **kw: Any) -> Any:
+            rendered.append(1)
+            return render(*args, **kw)
+
+        gw.svc.template.render = counting
+        huge = {"model": "m", "messages": [{"role": "user", "content": "word " * 1_500_000}]}  # 7.5 MB
+        resp = await _post(gw, "/v1/chat/completions", huge)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+        assert rendered == []  # refused from its size alone
+        ok = await _post(gw, "/v1/chat/completions", {"model": "m", "messages": OK, "max_tokens": 2})
+        assert ok.status_code == 200 and rendered == [1]
+        assert (await gw.http.get("/health")).status_code == 200
+
+
+async def test_a_failure_inside_one_streamed_choice_ends_the_stream_with_an_error_event(
+        make_gw: Any, monkeypatch: Any) -> None:
+    import asyncio
+
+    from gateway.decoding import ChoiceDecoder
+
+    async with make_gw(["hello there"]) as gw:
+        def broken(self: Any, gen: Any) -> Any:
+            raise RuntimeError("a bug in the decoder")
+
+        body = {"model": "m", "messages": OK, "max_tokens": 5, "stream": True, "n": 2}
+        monkeypatch.setattr(ChoiceDecoder, "step", broken)
+        async with asyncio.timeout(20):  # it used to hang forever
+            resp = await gw.post("/v1/chat/completions", body)
+        assert resp.status_code in (200, 500), resp.text
+        if resp.status_code == 200:
+            assert '"error"' in resp.text and resp.text.rstrip().endswith("data: [DONE]")
