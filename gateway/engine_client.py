@@ -142,6 +142,18 @@ def parse_output(body: dict[str, Any]) -> EngineOutput:
                         status, message)
 
 
+def engine_error(base_url: str, status: int, message: str) -> GatewayError:
+    """The gateway error for an engine error of this HTTP status (a response, an error event, or an abort
+    chunk's ``status_code``)."""
+    if status == 400:
+        if "context" in message.lower() or "too long" in message.lower():
+            return ContextLengthExceeded(f"the engine rejected the prompt: {message}", param="messages")
+        return InvalidRequest(f"the engine rejected the request: {message}")
+    if status == 503:
+        return EngineUnavailable(f"engine {base_url} unavailable: {message}")
+    return EngineError(f"engine {base_url} answered {status}: {message}")
+
+
 def _error_message(resp: httpx.Response) -> str:
     try:
         body = resp.json()
@@ -170,14 +182,7 @@ class EngineClient:
         return EngineUnavailable(f"engine {self.base_url} unreachable: {type(exc).__name__}: {exc}")
 
     def error(self, status: int, message: str) -> GatewayError:
-        """The gateway error for an engine error of this HTTP status (or error event carrying it)."""
-        if status == 400:
-            if "context" in message.lower() or "too long" in message.lower():
-                return ContextLengthExceeded(f"the engine rejected the prompt: {message}", param="messages")
-            return InvalidRequest(f"the engine rejected the request: {message}")
-        if status == 503:
-            return EngineUnavailable(f"engine {self.base_url} unavailable: {message}")
-        return EngineError(f"engine {self.base_url} answered {status}: {message}")
+        return engine_error(self.base_url, status, message)
 
     def _check(self, resp: httpx.Response) -> None:
         if resp.status_code >= 400:
@@ -264,10 +269,12 @@ class EngineClient:
         return resp.status_code == 200
 
     async def model_info(self) -> dict[str, Any]:
-        return (await self._get("/get_model_info")).json()
+        info: dict[str, Any] = (await self._get("/get_model_info")).json()
+        return info
 
     async def server_info(self) -> dict[str, Any]:
-        return (await self._get("/get_server_info")).json()
+        info: dict[str, Any] = (await self._get("/get_server_info")).json()
+        return info
 
     async def describe(self) -> EngineInfo:
         from gateway.engines import EngineInfo
@@ -295,7 +302,8 @@ class EngineClient:
         body: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        return (await self._post("/update_weights_from_disk", body)).json()
+        result: dict[str, Any] = (await self._post("/update_weights_from_disk", body)).json()
+        return result
 
 
 @dataclass(slots=True)
@@ -524,7 +532,7 @@ class EngineRouter:
                 raise EngineError(f"engine {state.client.base_url} closed the stream without output")
             if last.finish == "abort":
                 if last.abort_status is not None:  # a refusal (SGLang streams it as an abort chunk)
-                    raise state.client.error(last.abort_status, last.abort_message or "aborted")
+                    raise engine_error(state.client.base_url, last.abort_status, last.abort_message or "aborted")
                 if self.paused or self._pause_epoch != epoch or (
                         self.pause_check is not None and await self.pause_check()):
                     continue  # held: resent after resume
