@@ -38,6 +38,7 @@ class GatewayProc:
     db: str
     engine_urls: list[str]
     log_path: Path
+    pid: int = 0  # the gateway process (for crash tests)
 
     def admin(self) -> httpx.Client:
         """An httpx client with the admin key (close it, or use it in a ``with`` block)."""
@@ -82,7 +83,7 @@ def gateway_starter(procs: Processes, tmp_path: Path, default_urls: list[str]) -
         child = procs.start(f"gateway-{port}", argv)
         base = f"http://127.0.0.1:{port}"
         procs.wait_healthy(child, base + "/health", timeout_s=120)
-        return GatewayProc(base, admin_key, agent_key, db, urls, child.log_path)
+        return GatewayProc(base, admin_key, agent_key, db, urls, child.log_path, child.proc.pid)
 
     return start
 
