@@ -78,3 +78,51 @@ def test_kill_9_under_load_loses_no_acknowledged_turn_and_leaves_no_session_in_f
     found, busy = asyncio.run(check())
     assert found == len(acked)
     assert busy == set(), f"sessions still marked in flight after the replica died: {busy}"
+
+
+@pytest.mark.slow
+def test_two_gateway_processes_pause_resume_and_tag_alike_across_a_push(
+        gateway_factory: Callable[..., GatewayProc], pg_url: str, redis_prefix: str) -> None:
+    """Two replicas on one PostgreSQL + Redis and the same engine; the trainer talks to A only."""
+    import httpx
+
+    a = gateway_factory(db=pg_url, redis=REDIS_URL, redis_prefix=redis_prefix)
+    b = gateway_factory(db=pg_url, redis=REDIS_URL, redis_prefix=redis_prefix)
+    engine = a.engine_urls[0]
+    model = httpx.get(engine + "/get_model_info", timeout=30).json()["model_path"]
+    with a.admin() as admin_a, b.admin() as admin_b:
+        try:
+            assert admin_a.post("/admin/pause", json={}).status_code == 200
+            deadline = time.monotonic() + 10
+            while not admin_b.get("/admin/engines").json()["paused"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert admin_b.get("/admin/engines").json()["paused"], "B did not pause with A"
+            pushed = httpx.post(engine + "/update_weights_from_disk",
+                                json={"model_path": model, "weight_version": "4"}, timeout=120)
+            assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
+            assert admin_a.post("/admin/resume", json={"weight_version": 4}).status_code == 200
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                health = httpx.get(b.base_url + "/health", timeout=10).json()
+                if health["weight_version"] == 4 and not health["paused"]:
+                    break
+                time.sleep(0.05)
+            assert health["weight_version"] == 4 and not health["paused"], health
+            ids = []
+            for gw in (a, b):
+                client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.agent_key, max_retries=0, timeout=60)
+                ids.append(client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4).id)
+
+            async def versions() -> list[set[int]]:
+                store = await Store.open(pg_url, migrate=False)
+                try:
+                    return [set((await store.get_interaction(interaction_id=i)).output_versions) for i in ids]
+                finally:
+                    await store.close()
+
+            assert asyncio.run(versions()) == [{4}, {4}]
+        finally:
+            admin_a.post("/admin/resume", json={"weight_version": 0})
+            httpx.post(engine + "/update_weights_from_disk", json={"model_path": model, "weight_version": "0"},
+                       timeout=120)  # the engine is shared by later tests
