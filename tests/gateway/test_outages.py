@@ -99,3 +99,27 @@ async def test_redis_restart_under_load_gives_503s_never_500s_and_no_duplicate_s
         done = await asyncio.wait_for(asyncio.gather(*agents), 120)
         assert statuses[500] == 0 and statuses[503] > 0, statuses  # the outage was seen, as 503s only
         assert sum(done) >= 12 and statuses[200] == sum(done)
+
+
+def test_postgres_starting_up_shutting_down_or_refusing_is_store_unavailable() -> None:
+    """asyncpg's errors while PostgreSQL starts or stops (SQLSTATE 57P03, 57P01), raw and as SQLAlchemy
+    wraps them, and a refused connection, are 503s; a constraint violation stays a 409 and a bug a 500."""
+    import asyncpg
+    from sqlalchemy import exc as sa_exc
+
+    from gateway.app import dependency_outage
+    from gateway.store.dberrors import translate
+    from gateway.store.errors import Conflict, StoreUnavailable
+
+    starting = asyncpg.exceptions.CannotConnectNowError("the database system is starting up")
+    stopping = asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command")
+    for raw in (starting, stopping):
+        assert isinstance(translate(raw), StoreUnavailable)
+        assert isinstance(translate(sa_exc.DBAPIError("SELECT 1", {}, raw)), StoreUnavailable)
+        assert dependency_outage(raw) is not None
+    assert isinstance(translate(ConnectionRefusedError(111, "Connection refused")), StoreUnavailable)
+    assert dependency_outage(ConnectionRefusedError(111, "Connection refused")) is not None
+    assert dependency_outage(redis.ConnectionError("Connection refused")) is not None
+    unique = asyncpg.exceptions.UniqueViolationError("duplicate key")
+    assert isinstance(translate(sa_exc.IntegrityError("INSERT", {}, unique)), Conflict)
+    assert dependency_outage(KeyError("a bug")) is None
