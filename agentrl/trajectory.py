@@ -90,6 +90,7 @@ class Turn:
     temperature: float = 1.0  # effective: greedy (0) is recorded as 1, the distribution engines report
     top_p: float = 1.0
     top_k: int = -1
+    penalties: tuple[str, ...] = ()  # names of the penalties it was sampled under (gateway.constraints)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, dtype=np.int32))
@@ -140,7 +141,13 @@ def sampling_of(request: Any) -> dict[str, Any]:
     top_p = params.get("top_p")
     top_k = params.get("top_k")
     return {"temperature": temperature, "top_p": 1.0 if top_p is None else float(top_p),
-            "top_k": -1 if top_k is None else int(top_k)}
+            "top_k": -1 if top_k is None else int(top_k),
+            "penalties": tuple(sorted(k for k in PENALTY_PARAMS if params.get(k)))}
+
+
+# penalties recorded in a turn's params (gateway.constraints.penalties_json): the engine sampled from the
+# penalised distribution and reported its logprobs; the trainer recomputes unpenalised ones
+PENALTY_PARAMS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens")
 
 
 @dataclass(slots=True)
@@ -412,7 +419,9 @@ def export_individual(
 
 
 def check_trainable(turns: Sequence[Turn]) -> None:
-    """Raise :class:`UntrainableSampling` if a kept turn was sampled under top-p / top-k filtering."""
+    """Raise :class:`UntrainableSampling` if a kept turn was sampled under top-p / top-k filtering or
+    under penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``,
+    ``min_tokens``)."""
     by_id, _ = _kept_tree(turns)
     for t in sorted(by_id.values(), key=lambda t: (t.created_at, t.id)):
         if t.top_p < 1.0 or t.top_k > 0:
@@ -421,6 +430,12 @@ def check_trainable(turns: Sequence[Turn]) -> None:
                 "logprobs of the whole (temperature-scaled) distribution, not of a filtered one, so every "
                 "importance weight would be wrong; sample training sessions with top_p=1 and no top_k "
                 "(temperature is fine), or mark the session metadata.eval")
+        if t.penalties:
+            raise UntrainableSampling(
+                f"turn {t.id} was sampled under {', '.join(t.penalties)}: its behaviour logprobs are those of "
+                "the penalised distribution, which the trainer does not recompute (it recomputes "
+                "log_softmax(logits / T)), so every importance weight would be wrong; sample training sessions "
+                "without penalties or logit_bias, or mark the session metadata.eval")
 
 
 def export_session(turns: Sequence[Turn], *, mode: str = "concat", **kwargs: Any) -> list[Row]:

@@ -7,7 +7,8 @@ and its own ``torch.Generator``.
 
 Logprob convention (documented in docs/engine.md): the returned log-probability is that of the sampled
 token under the distribution actually sampled from, i.e. ``log_softmax(logits / T)`` restricted to the
-top-k / top-p / min-p support and renormalised over it. Greedy rows (``temperature == 0``) report
+top-k / top-p / min-p support and renormalised over it, after SGLang's penalties and ``logit_bias``
+(:func:`penalise`) where a row has them. Greedy rows (``temperature == 0``) report
 ``log_softmax(logits)`` (temperature 1). With ``temperature=1, top_p=1, top_k=-1, min_p=0`` this is exactly
 the log-softmax of the model's logits, the value a trainer recomputes.
 """
@@ -60,10 +61,21 @@ class SamplingParams:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    # SGLang's penalties (srt/sampling/penaltylib), all over the row's output tokens only
+    frequency_penalty: float = 0.0  # minus penalty x count of the token so far
+    presence_penalty: float = 0.0  # minus penalty once the token appeared
+    repetition_penalty: float = 1.0  # logit / p if positive else logit x p, once the token appeared
+    min_new_tokens: int = 0  # stop tokens (stop_token_ids + EOS) are impossible before this many outputs
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-6
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.min_new_tokens or self.logit_bias)
 
     @classmethod
     def parse(cls, raw: Any, *, vocab_size: int) -> "SamplingParams":
@@ -120,6 +132,28 @@ class SamplingParams:
         for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):
             if name in values:
                 setattr(params, name, _flag(name, values[name]))
+        for name, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
+            if name in values:
+                value = float(_number(name, values[name]))
+                if not low <= value <= high:
+                    raise InvalidRequest(f"sampling_params.{name} must be in [{low}, {high}], got {value}")
+                setattr(params, name, value)
+        if "repetition_penalty" in values:
+            params.repetition_penalty = float(_number("repetition_penalty", values["repetition_penalty"]))
+            if not 0.0 < params.repetition_penalty <= 2.0:
+                raise InvalidRequest(f"sampling_params.repetition_penalty must be in (0, 2], got {params.repetition_penalty}")
+        if "min_new_tokens" in values:
+            params.min_new_tokens = int(_number("min_new_tokens", values["min_new_tokens"], integer=True))
+            if params.min_new_tokens < 0:
+                raise InvalidRequest(f"sampling_params.min_new_tokens must be >= 0, got {params.min_new_tokens}")
+        if "logit_bias" in values:
+            bias = values["logit_bias"]
+            if not isinstance(bias, dict):
+                raise InvalidRequest("sampling_params.logit_bias must be an object of token id -> bias")
+            for key, value in bias.items():
+                if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+                    raise InvalidRequest(f"sampling_params.logit_bias: key {key!r} is not a token id in [0, {vocab_size})")
+                params.logit_bias[int(key)] = float(_number(f"logit_bias[{key}]", value))
         if "sampling_seed" in values:
             params.sampling_seed = int(_number("sampling_seed", values["sampling_seed"], integer=True))
         return params
@@ -132,10 +166,45 @@ class SamplingParams:
         return gen
 
 
+def penalise(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]],
+             stop_ids: set[int]) -> torch.Tensor:
+    """SGLang's penalties of each penalised row applied to a copy of ``logits`` (B, V), in SGLang's order
+    (repetition, frequency, presence, min_new_tokens, logit_bias); unpenalised rows are left as they are.
+    ``outputs``: each row's output tokens so far; ``stop_ids``: EOS ids (with each row's stop_token_ids)."""
+    rows = [i for i, p in enumerate(params) if p.penalised]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        p, row = params[i], out[i]
+        if outputs[i]:
+            counts = torch.bincount(torch.tensor(outputs[i], device=logits.device), minlength=vocab)[:vocab]
+            seen = counts > 0
+            if p.repetition_penalty != 1.0:
+                scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, scaled, row))
+            if p.frequency_penalty:
+                row.sub_(p.frequency_penalty * counts.to(row.dtype))
+            if p.presence_penalty:
+                row.sub_(p.presence_penalty * seen.to(row.dtype))
+        if len(outputs[i]) < p.min_new_tokens:
+            blocked = [t for t in stop_ids | set(p.stop_token_ids) if 0 <= t < vocab]
+            row[blocked] = float("-inf")
+        for token, bias in p.logit_bias.items():
+            row[token] += bias
+    return out
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+    outputs: list[list[int]] | None = None, stop_ids: set[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per row. ``logits``: (B, V) float.
+
+    Penalised rows (:func:`penalise`, needing ``outputs`` and ``stop_ids``) are sampled from their
+    penalised logits, and their reported logprobs and distributions are those of the penalised
+    distribution (what was actually sampled from).
 
     Returns (tokens (B,) on CPU, logprobs (B,) on CPU, distributions (B, V)): each row's distribution is the
     log-probabilities the reported logprob comes from (used for top logprobs).
@@ -144,6 +213,8 @@ def sample(
     itself is per row so that each request's seed fixes its tokens whatever else is in the batch.
     """
     logits = logits.float()
+    if any(p.penalised for p in params):
+        logits = penalise(logits, params, outputs or [[] for _ in params], stop_ids or set())
     batch, vocab = logits.shape
     device = logits.device
     greedy = torch.tensor([p.greedy for p in params], device=device)

@@ -317,7 +317,8 @@ class Scheduler:
 
     def _sample_and_advance(self, reqs: list[Request], batch: batching.Batch, logits: torch.Tensor) -> set[int]:
         """Sample a token for every row, record it, and return the rows that finished."""
-        tokens, logprobs, dist = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens, logprobs, dist = sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                                        [r.output_ids for r in reqs], self.eos_ids)
         self.last_output = time.monotonic()
         batch.pending = tokens.to(self.device)
         finished = set()

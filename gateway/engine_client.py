@@ -51,6 +51,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
+    penalties: dict[str, Any] = field(default_factory=dict)  # SGLang names (gateway.constraints.penalties)
 
     def to_wire(self, max_new_tokens: int) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -65,6 +66,7 @@ class SamplingParams:
             params["stop"] = list(self.stop)
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        params.update(self.penalties)
         return params
 
 

@@ -28,6 +28,7 @@ Nothing is recorded for a request that fails before step 6 (bad input, engine do
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import json
@@ -43,7 +44,7 @@ from typing import Any, TypeVar
 from gateway.binding import group_of_root
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.normalize import canonical_json, chain_hashes, extend_chain, validate_messages
-from gateway.constraints import refuse_unenforced
+from gateway.constraints import penalties, penalties_json, refuse_unenforced
 from gateway.context import Services
 from gateway.decoding import ChoiceDecoder, ChoiceResult, StreamDelta
 from gateway.engine_client import Generation, SamplingParams
@@ -246,9 +247,10 @@ class GenerationService:
 
     @staticmethod
     def _params_json(req: SamplingFields) -> dict[str, Any]:
-        return req.model_dump(include={"n", "temperature", "top_p", "seed", "stop", "max_tokens",
-                                       "max_completion_tokens", "logprobs", "top_logprobs"},
-                              exclude_none=True)
+        return {**req.model_dump(include={"n", "temperature", "top_p", "seed", "stop", "max_tokens",
+                                          "max_completion_tokens", "logprobs", "top_logprobs"},
+                                 exclude_none=True),
+                **penalties_json(req)}
 
     def _sampling(self, req: SamplingFields, prompt_len: int, top_logprobs: int) -> SamplingParams:
         ctx = self.svc.context_length
@@ -266,6 +268,7 @@ class GenerationService:
             stop=req.stop_list,
             stop_token_ids=self.svc.template.stop_token_ids,
             top_logprobs=top_logprobs,
+            penalties=penalties(req),
         )
 
     def _choices(self, req: SamplingFields, prefix: str, parse_tools: bool) -> list[ChoiceRun]:
@@ -548,8 +551,7 @@ def _text_chars(value: Any) -> int:
 def _with_seed(params: SamplingParams, seed: int | None) -> SamplingParams:
     if seed == params.seed:
         return params
-    return SamplingParams(params.max_new_tokens, params.temperature, params.top_p, seed, params.stop,
-                          params.stop_token_ids, params.top_logprobs)
+    return dataclasses.replace(params, seed=seed)
 
 
 async def _aclose(events: AsyncIterator[Any]) -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import InvalidRequest, SamplingParams, sample
+from engine.sampling import InvalidRequest, SamplingParams, penalise, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -81,3 +81,40 @@ def test_rows_are_independent_and_seeded():
     assert first.tolist() == again.tolist()
     assert first[0] == alone[0]  # a row's draw does not depend on the other rows
     assert first[1] == logits[1].argmax()
+
+
+# ------------------------------------------------------------------------------------------ penalties
+def test_penalties_follow_sglang_by_hand() -> None:
+    """Hand-computed values of SGLang's penalisers (repetition, frequency, presence, min_new_tokens, bias)."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
+    p = SamplingParams.parse({"repetition_penalty": 2.0, "frequency_penalty": 0.5, "presence_penalty": 0.25,
+                              "logit_bias": {"3": 1.5}, "min_new_tokens": 4, "stop_token_ids": [2]},
+                             vocab_size=4)
+    out = penalise(logits, [p], [[0, 0, 1]], {3})
+    # token 0: seen twice: 2/2 - 0.5*2 - 0.25 = -0.25; token 1: seen once: -1*2 - 0.5 - 0.25 = -2.75
+    # token 2 is a stop token before 4 outputs: -inf; token 3 (EOS) likewise, its bias does not lift it
+    assert out[0, :2].tolist() == [-0.25, -2.75]
+    assert out[0, 2] == float("-inf") and out[0, 3] == float("-inf")
+    assert logits.tolist() == [[2.0, -1.0, 0.5, 0.0]]  # the model's logits are not touched
+    after = penalise(logits, [p], [[1, 1, 1, 1]], {3})
+    assert after[0, 3] == 1.5 and after[0, 2] == 0.5  # 4 outputs: stop tokens allowed again, bias applies
+
+
+def test_penalised_row_reports_the_penalised_distribution_and_others_are_untouched() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [2.0, 1.0, 0.5, 0.0]])
+    plain = SamplingParams()
+    biased = SamplingParams.parse({"logit_bias": {"3": 50}}, vocab_size=4)
+    gens = [plain.generator(), biased.generator()]
+    tokens, logprobs, dists = sample(logits, [plain, biased], gens, [[], []], set())
+    assert int(tokens[1]) == 3 and float(logprobs[1]) == pytest.approx(0.0, abs=1e-6)
+    expected = torch.log_softmax(torch.tensor([2.0, 1.0, 0.5, 50.0]), -1)
+    assert torch.allclose(dists[1], expected)
+    assert torch.allclose(dists[0], torch.log_softmax(logits[0], -1))  # the unpenalised row is as before
+    assert float(logprobs[0]) == pytest.approx(float(torch.log_softmax(logits[0], -1)[int(tokens[0])]))
+
+
+@pytest.mark.parametrize("raw", [{"presence_penalty": 3}, {"frequency_penalty": "x"}, {"repetition_penalty": 0},
+                                 {"min_new_tokens": -1}, {"logit_bias": {"99": 1}}, {"logit_bias": [1]}])
+def test_bad_penalties_are_refused(raw: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequest):
+        SamplingParams.parse(raw, vocab_size=10)
