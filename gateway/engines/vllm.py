@@ -60,6 +60,8 @@ def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict[str, An
         wire["stop"] = list(params.stop)
     if params.stop_token_ids:
         wire["stop_token_ids"] = list(params.stop_token_ids)
+    for key, value in params.penalties.items():  # SGLang's names (gateway.constraints.penalties) as vLLM's
+        wire["min_tokens" if key == "min_new_tokens" else key] = value
     return wire
 
 

@@ -61,3 +61,19 @@ def test_logit_bias_and_min_tokens_are_sampled_from_and_recorded(gateway: Gatewa
             client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=3, **kwargs)
         body: Any = info.value.body
         assert body["param"] == param, body
+
+
+def test_penalties_travel_under_each_engines_own_names() -> None:
+    """SGLang 0.5.19 ``SamplingParams``: min_new_tokens; vLLM ``SamplingParams``: min_tokens; the rest alike."""
+    from gateway.engine_client import SamplingParams
+    from gateway.engines.vllm import sampling_params
+
+    pen = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.2,
+           "logit_bias": {"7": -100.0}, "min_new_tokens": 2}
+    params = SamplingParams(max_new_tokens=8, penalties=pen)
+    sglang = params.to_wire(8)
+    assert {k: sglang[k] for k in pen} == pen
+    vllm = sampling_params(params, 8)
+    assert vllm["min_tokens"] == 2 and "min_new_tokens" not in vllm
+    assert {k: vllm[k] for k in pen if k != "min_new_tokens"} == {k: v for k, v in pen.items() if k != "min_new_tokens"}
+    assert "presence_penalty" not in SamplingParams(max_new_tokens=8).to_wire(8)  # defaults send nothing
