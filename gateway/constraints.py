@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.errors import InvalidRequest
-from gateway.wire import ChatCompletionRequest, CompletionRequest
+from gateway.wire import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 _NOT_YET = "is not enforced by this gateway yet, and it refuses rather than silently ignoring it"
 
@@ -34,12 +34,11 @@ def _refuse(field: str, what: str, hint: str, names: Mapping[str, str]) -> Inval
     return InvalidRequest(f"{param}: {what} {_NOT_YET}; {hint}", param=param, code="unsupported_parameter")
 
 
-def _extra(req: ChatCompletionRequest | CompletionRequest, name: str) -> Any:
+def _extra(req: SamplingFields, name: str) -> Any:
     return (req.model_extra or {}).get(name)
 
 
-def penalties_json(req: ChatCompletionRequest | CompletionRequest,
-                   names: Mapping[str, str] | None = None) -> dict[str, Any]:
+def penalties_json(req: SamplingFields, names: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The penalties a request asks for, under their OpenAI names, non-default ones only: recorded with
     the turn (its ``params``) so that export and trainer can tell the turn was sampled under them.
     ``repetition_penalty`` (in (0, 2]) and ``min_tokens`` (>= 0) are vLLM's extension names."""
@@ -71,7 +70,7 @@ def penalties_json(req: ChatCompletionRequest | CompletionRequest,
 _SGLANG_NAMES = {"min_tokens": "min_new_tokens"}  # the rest are SGLang's names too (SamplingParams, 0.5.19)
 
 
-def penalties(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def penalties(req: SamplingFields) -> dict[str, Any]:
     """The request's penalties as SGLang ``sampling_params`` (which the embedded engine implements too)."""
     return {_SGLANG_NAMES.get(k, k): v for k, v in penalties_json(req).items()}
 
