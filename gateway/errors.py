@@ -9,6 +9,7 @@
     ├── PermissionDenied              403     permission_error        forbidden
     ├── NotFound                      404     not_found_error         not_found
     ├── Conflict                      409     conflict_error          conflict
+    ├── RequestTimeout                408     invalid_request_error   request_timeout  (body not sent in time)
     ├── PayloadTooLarge               413     invalid_request_error   payload_too_large
     ├── Overloaded                    429     rate_limit_error        staleness_budget  (Retry-After)
     ├── EngineError                   502     upstream_error          engine_error
@@ -71,6 +72,10 @@ class NotFound(GatewayError):
 
 class Conflict(GatewayError):
     status, type, default_code = 409, "conflict_error", "conflict"
+
+
+class RequestTimeout(GatewayError):
+    status, type, default_code = 408, "invalid_request_error", "request_timeout"
 
 
 class PayloadTooLarge(GatewayError):

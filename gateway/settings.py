@@ -41,6 +41,9 @@ class GatewaySettings:
         "help": "URL agents reach the gateway at (for base_url in POST /v1/sessions); default http://host:port"})
     max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "largest request body accepted; larger ones get 413"})
+    body_timeout_s: float = field(default=30.0, metadata={
+        "help": "a request body not fully received within this many seconds gets 408 (slow or half-sent "
+                "requests must not hold connections forever)"})
     max_n: int = field(default=16, metadata={"help": "largest n (choices per request) accepted"})
     unsupported_tools: str = field(default="drop", metadata={
         "help": "Responses tools the gateway cannot serve (web_search, custom, tool_search, ...): drop (from "
@@ -102,6 +105,8 @@ class GatewaySettings:
             raise SettingsError("--max-body-bytes must be at least 1024")
         if not self.pause_timeout_s > 0:
             raise SettingsError("--pause-timeout-s must be > 0 (seconds a pause may last without a resume)")
+        if not self.body_timeout_s > 0:
+            raise SettingsError("--body-timeout-s must be > 0")
         if self.max_n < 1:
             raise SettingsError("--max-n must be at least 1")
         if self.unsupported_tools not in ("drop", "reject"):

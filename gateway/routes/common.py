@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, TypeVar
 
@@ -10,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.binding import Caller, authenticate
 from gateway.context import services
-from gateway.errors import InvalidRequest, PayloadTooLarge, from_validation_error
+from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, from_validation_error
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -37,11 +38,16 @@ async def read_body(request: Request) -> bytes:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    timeout_s = services(request).settings.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body was not received within {timeout_s:g} s") from None
     return b"".join(chunks)
 
 

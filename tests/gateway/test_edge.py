@@ -91,3 +91,19 @@ async def test_a_failure_inside_one_streamed_choice_ends_the_stream_with_an_erro
         assert resp.status_code in (200, 500), resp.text
         if resp.status_code == 200:
             assert '"error"' in resp.text and resp.text.rstrip().endswith("data: [DONE]")
+
+
+async def test_a_half_sent_body_times_out_with_408(make_gw: Any) -> None:
+    import asyncio
+
+    async with make_gw(["a"], body_timeout_s=0.5) as gw:
+        async def slow_body() -> Any:
+            yield b'{"model": "m", "messages": ['
+            await asyncio.sleep(3)  # the rest never comes in time
+            yield b']}'
+
+        async with asyncio.timeout(10):
+            resp = await gw.http.post("/v1/chat/completions", content=slow_body(),
+                                      headers={"Authorization": f"Bearer {AGENT}",
+                                               "Content-Type": "application/json"})
+        assert resp.status_code == 408 and resp.json()["error"]["code"] == "request_timeout"
