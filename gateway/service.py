@@ -477,22 +477,27 @@ class GenerationService:
             await turn.aclose()
 
     # ------------------------------------------------------------------------------------ completions
-    async def plan_completion(self, req: CompletionRequest, session: SessionRecord | None) -> TurnPlan:
-        started = time.perf_counter()
-        if len(req.prompts) != 1:
-            raise InvalidRequest("a batch of prompts is one turn per prompt", param="prompt")
-        given = req.prompts[0]
+    def prompt_ids(self, given: str | list[int], param: str = "prompt") -> list[int]:
+        """A text completion's prompt as token ids: 400 if it is empty or an id is outside the vocabulary."""
         if isinstance(given, str):
             prompt = list(self.svc.tokenizer.encode(given, add_special_tokens=False))
-            if not prompt:
-                raise InvalidRequest("prompt must not be empty", param="prompt")
         else:
             vocab = len(self.svc.tokenizer)
             bad = [t for t in given if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequest(f"prompt token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}",
-                                     param="prompt")
+                                     param=param)
             prompt = list(given)
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param=param)
+        return prompt
+
+    async def plan_completion(self, req: CompletionRequest, session: SessionRecord | None) -> TurnPlan:
+        started = time.perf_counter()
+        if len(req.prompts) != 1:
+            raise InvalidRequest("a batch of prompts is one turn per prompt", param="prompt")
+        given = req.prompts[0]
+        prompt = self.prompt_ids(given)
         if session is not None and session.status != "active":
             raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
                            code="session_not_active")

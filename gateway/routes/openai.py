@@ -67,7 +67,12 @@ async def _completion_batch(request: Request, req: CompletionRequest, session: A
     if req.stream:
         raise InvalidRequest("streaming a batch of prompts is not supported; send one prompt per request, "
                              "or stream: false", param="prompt")
+    if len(req.prompts) * req.n > svc.settings.max_n:
+        raise InvalidRequest(f"a batch of {len(req.prompts)} prompts x n={req.n} exceeds --max-n "
+                             f"({svc.settings.max_n}) choices per request", param="prompt")
     service = GenerationService(svc, owner=owner)
+    for i, prompt in enumerate(req.prompts):  # every prompt checked before any turn runs: all or nothing
+        service.prompt_ids(prompt, param=f"prompt[{i}]")
     turns = await asyncio.gather(*(service.run_turn(req.model_copy(update={"prompt": p}), session)
                                    for p in req.prompts))
     bodies = [chat.completion_response(req, plan, runs, svc.model_name, svc.tokenizer) for plan, runs in turns]

@@ -72,4 +72,8 @@ async def test_prompt_list_is_a_batch_one_turn_per_prompt(make_gw: Any) -> None:
             await client.completions.create(model="m", prompt=["a", "b"], max_tokens=4, stream=True)
         body = info.value.body
         assert isinstance(body, dict) and body["param"] == "prompt" and "batch" in body["message"]
+        for prompt in ([[]], [ids, []], ["a"] * 17):  # an empty prompt; more choices than --max-n (16)
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model="m", prompt=prompt, max_tokens=4)
+            assert isinstance(info.value.body, dict) and info.value.body["param"].startswith("prompt"), prompt
         assert len(await interactions(gw, sess["session_id"])) == 7
