@@ -7,6 +7,7 @@ import json
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from gateway.binding import Caller, authenticate
@@ -18,6 +19,15 @@ M = TypeVar("M", bound=BaseModel)
 
 def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of streams
+
+
+def json_response(body: object) -> Response:
+    """A compact UTF-8 JSON answer (the generation routes' bodies carry long token lists and text)."""
+    return Response(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
+                    media_type="application/json")
 
 
 BODY_SCHEMAS: dict[str, Any] = {}  # JSON Schemas that request bodies refer to (``components.schemas``)

@@ -8,7 +8,6 @@ routes are rendered in Anthropic's shape by the app's error handlers (``gateway.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,18 +19,10 @@ from gateway.chat.normalize import validate_messages
 from gateway.context import services
 from gateway.errors import from_chat_error
 from gateway.formats import messages as fmt
-from gateway.routes.common import caller, read_json
+from gateway.routes.common import SSE_HEADERS, caller, json_response, read_json
 from gateway.service import GenerationService
 
 router = APIRouter()
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _json(body: Any) -> Response:
-    return Response(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
-                    media_type="application/json")
-
 
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
@@ -48,7 +39,7 @@ async def create_message(request: Request) -> Response:
         stream = fmt.MessageStream(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
         return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
     plan, runs = await service.run_turn(chat, session, id_prefix="msg_", meta=fmt.recorded_meta(conv))
-    return _json(fmt.render_message(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer))
+    return json_response(fmt.render_message(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer))
 
 
 @router.post("/v1/messages/count_tokens")
@@ -63,7 +54,7 @@ async def count_tokens(request: Request) -> Response:
         validate_messages(conv.messages, conv.tools)
     except ChatFormatError as exc:
         raise from_chat_error(exc) from exc
-    return _json({"input_tokens": len(svc.template.render(conv.messages, conv.tools))})
+    return json_response({"input_tokens": len(svc.template.render(conv.messages, conv.tools))})
 
 
 @router.head("/")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -15,19 +14,11 @@ from gateway.binding import session_for
 from gateway.context import services
 from gateway.errors import InvalidRequest, NotFound
 from gateway.formats import chat
-from gateway.routes.common import caller, json_body, read_json
+from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json
 from gateway.service import GenerationService
 from gateway.wire import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _json(body: object) -> Response:
-    return Response(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
-                    media_type="application/json")
-
 
 async def _generate(request: Request, model: type[ChatCompletionRequest] | type[CompletionRequest],
                     plain: Callable[..., dict[str, Any]], stream: Callable[..., AsyncIterator[bytes]]) -> Response:
@@ -45,7 +36,7 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
         return StreamingResponse(stream(req, plan, runs, events, svc.model_name, svc.tokenizer),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     plan, runs = await service.run_turn(req, session)
-    return _json(plain(req, plan, runs, svc.model_name, svc.tokenizer))
+    return json_response(plain(req, plan, runs, svc.model_name, svc.tokenizer))
 
 
 @router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
@@ -81,7 +72,7 @@ async def _completion_batch(request: Request, req: CompletionRequest, session: A
         for choice in body["choices"]:
             choices.append({**choice, "index": i * req.n + choice["index"]})
     usage = {k: sum(b["usage"][k] for b in bodies) for k in bodies[0]["usage"]}
-    return _json({**bodies[0], "choices": choices, "usage": usage})
+    return json_response({**bodies[0], "choices": choices, "usage": usage})
 
 
 def _model(request: Request) -> dict[str, Any]:
@@ -93,7 +84,7 @@ def _model(request: Request) -> dict[str, Any]:
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
     await caller(request)
-    return _json({"object": "list", "data": [_model(request)]})
+    return json_response({"object": "list", "data": [_model(request)]})
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -104,4 +95,4 @@ async def model(request: Request, model_id: str) -> Response:
     if model_id != served["id"]:
         raise NotFound(f"the model {model_id!r} does not exist; this gateway serves {served['id']!r}",
                        param="model", code="model_not_found")
-    return _json(served)
+    return json_response(served)

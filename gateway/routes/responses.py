@@ -6,7 +6,6 @@ core (``GenerationService.run_turn`` / ``stream_turn``) and render a ``Response`
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -18,19 +17,11 @@ from gateway.context import services
 from gateway.errors import from_store_error
 from gateway.formats import responses as fmt
 from gateway.formats.common import conversation_of, load_turn
-from gateway.routes.common import caller, read_json
+from gateway.routes.common import SSE_HEADERS, caller, json_response, read_json
 from gateway.service import GenerationService
 from gateway.store import errors as store_errors
 
 router = APIRouter()
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _json(body: Any) -> Response:
-    return Response(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
-                    media_type="application/json")
-
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
@@ -52,7 +43,7 @@ async def create_response(request: Request) -> Response:
         return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
     created = time.time()
     plan, runs = await service.run_turn(chat, session, id_prefix="resp_", meta=fmt.recorded_meta(conv))
-    return _json(fmt.render_response(req, conv, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer,
+    return json_response(fmt.render_response(req, conv, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer,
                                      created))
 
 
@@ -68,6 +59,6 @@ async def get_response(request: Request, response_id: str) -> Response:
     namespaces = turn.request.get("namespaces") or {}
     items = fmt.output_items(turn.id, turn.response_message, turn.finish_reason, None, namespaces)
     out = len(turn.output_ids)
-    return _json(fmt.response_object(None, turn.id, svc.model_name, turn.created_at,
+    return json_response(fmt.response_object(None, turn.id, svc.model_name, turn.created_at,
                                      fmt.finished_status(turn.finish_reason), items,
                                      fmt.usage(len(full) - out, out), turn.finish_reason))
