@@ -65,6 +65,13 @@ class UpdateFromDiskIn(Wire):
     weight_version: StrictStr | StrictInt | None = None
 
 
+class UpdateVersionIn(Wire):
+    """SGLang 0.5.19 ``UpdateWeightVersionReqInput``."""
+
+    new_version: StrictStr | StrictInt
+    abort_all_requests: StrictBool = True
+
+
 class UpdateFromTensorIn(Wire):
     """SGLang 0.5.19 ``UpdateWeightsFromTensorReqInput`` as HTTP JSON (bytes as base64 strings)."""
 
@@ -253,6 +260,15 @@ def create_app(engine: Engine) -> FastAPI:
                                   num_paused_requests=0)
         return _weight_result(True, f"Succeeded to update model weights. Weight version updated to {version}.",
                               num_paused_requests=0)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: UpdateVersionIn) -> JSONResponse:
+        body.log_unknown("/update_weight_version")
+        try:
+            version = await engine.update_version(body.new_version, abort_all=body.abort_all_requests)
+        except WeightUpdateError as exc:
+            return _weight_result(False, f"Failed to update the weight version: {exc}")
+        return _weight_result(True, f"Weight version updated to {version}", new_version=str(version))
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(body: UpdateFromTensorIn) -> JSONResponse:

@@ -268,6 +268,13 @@ class Engine:
             self.model_path = model_path
             return new
 
+    async def update_version(self, weight_version: Any, *, abort_all: bool) -> int:
+        """SGLang's ``/update_weight_version``: the same weights, a new version for tokens generated from now on
+        (requests running at the call finish under the old label unless ``abort_all``)."""
+        version = parse_weight_version(weight_version)
+        async with self._update_lock:
+            return await asyncio.wrap_future(self.scheduler.swap_weights({}, version=version, abort_running=abort_all))
+
     async def update_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None,
                                  weight_version: Any, abort_all: bool) -> int:
         """SGLang's ``/update_weights_from_tensor``: tensors by handle (CUDA IPC on a shared GPU), copied in place."""

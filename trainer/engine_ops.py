@@ -67,6 +67,9 @@ class EngineOps(Protocol):
     def load_from_disk(self, path: str, version: int, *, timeout: float, flush_cache: bool = True) -> None:
         """Load a Hugging Face directory's weights; later tokens carry ``version``."""
 
+    def set_version(self, version: int) -> None:
+        """Keep the weights; later tokens carry ``version`` (``POST /update_weight_version``, a skipped step)."""
+
 
 class SGLangOps:
     kind = "sglang"
@@ -93,6 +96,11 @@ class SGLangOps:
              {"model_path": str(path), "weight_version": str(version), "flush_cache": flush_cache},
              timeout=timeout)
 
+    def set_version(self, version: int) -> None:
+        # SGLang's UpdateWeightVersionReqInput aborts every request unless told not to (0.5.19)
+        post(self.client, f"{self.url}/update_weight_version",
+             {"new_version": str(version), "abort_all_requests": False})
+
 
 class VLLMOps:
     kind = "vllm"
@@ -115,6 +123,9 @@ class VLLMOps:
         # engine's weight version is set; both routes exist only with VLLM_SERVER_DEV_MODE=1
         post(self.client, f"{self.url}/collective_rpc",
              {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}, timeout=timeout)
+        self.set_version(version)
+
+    def set_version(self, version: int) -> None:
         post(self.client, f"{self.url}/update_weight_version", {"new_version": str(version)})
 
 

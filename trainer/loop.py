@@ -33,7 +33,7 @@ from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, describe_ba
 from trainer.model import DistInfo, build_optimizer, init_distributed, load_model
 from trainer.step import train_step
 from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, TensorSync,
-                                 broadcast_object, push_weights)
+                                 broadcast_object, push_weights, relabel_version)
 
 log = logging.getLogger("trainer")
 
@@ -96,7 +96,8 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
             metrics = {"skipped": "zero_variance"}
             warn_zero_variance(batch, info)
             if transport is not None:  # same weights, next version: tokens are tagged as fresh, not stale
-                advance_version(control, state.version + 1, info)
+                relabel_version(state.version + 1, info=info, control=control, client=http,
+                                engine_kind=settings.engine_kind)
         else:
             metrics = train_step(model, optimizer, rows, settings, info, version=state.version)
             if transport is not None:
@@ -176,12 +177,6 @@ def announce_trainer(control: Any, settings: TrainerSettings, version: int, info
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         control.register_trainer(version, settings.batch_groups, settings.staleness_bound, settings.group_size,
                                  metrics=numbers or None)
-
-
-def advance_version(control: Any, version: int, info: DistInfo) -> None:
-    """A skipped step: the served weights are unchanged but now count as ``version`` (no pause, no push)."""
-    if info.is_main and control is not None:
-        control.resume(version)
 
 
 def warn_zero_variance(batch: dict[str, Any], info: DistInfo) -> None:

@@ -562,6 +562,19 @@ class PushResult:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
+def relabel_version(version: int, *, info: DistInfo, control: Control, client: httpx.Client,
+                    engine_kind: str = "auto") -> None:
+    """A skipped step (nothing to learn): the served weights stay, but every engine now reports ``version``
+    (``POST /update_weight_version``, SGLang's and vLLM's route), so the tokens it generates from now on are
+    tagged with the trainer's version and not held back as stale; then the gateway announces it."""
+    if not info.is_main:
+        return
+    ops = EngineSet(client, engine_kind)
+    for url in control.engines():
+        _call(ops(url).set_version, version)
+    control.resume(version)
+
+
 def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo,
                  transport: DiskSync | BroadcastSync | TensorSync,
                  control: Control, retries: int = 3, backoff_s: float = 1.0) -> PushResult:

@@ -166,3 +166,24 @@ def test_broadcast_update_from_a_trainer_process(url, tiny_model_dir, tmp_path):
     assert httpx.post(url + "/destroy_weights_update_group", json=destroy).json()["success"] is True
     assert httpx.post(url + "/destroy_weights_update_group", json=destroy).json()["success"] is False
     assert update_from_disk(url, tiny_model_dir).json()["success"] is True  # restore for other tests
+
+
+def test_update_weight_version_relabels_the_same_weights(url):
+    """SGLang's ``/update_weight_version`` (what the trainer sends for a step it skipped): outputs unchanged,
+    later tokens carry the new version; a version that is not an integer is refused and changes nothing."""
+    before, old = greedy(url), version(url)
+    new = str(int(old) + 5)
+    try:
+        resp = httpx.post(url + "/update_weight_version", json={"new_version": new, "abort_all_requests": False},
+                          timeout=60)
+        assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
+        assert version(url) == new
+        after = greedy(url)
+        assert after["output_ids"] == before["output_ids"]
+        assert after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+        assert after["meta_info"]["weight_version"] == new
+        bad = httpx.post(url + "/update_weight_version", json={"new_version": "v-next"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["success"] is False and version(url) == new
+    finally:
+        httpx.post(url + "/update_weight_version", json={"new_version": old}, timeout=60)
+    assert version(url) == old

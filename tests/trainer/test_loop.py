@@ -158,6 +158,10 @@ def test_zero_variance_batch_is_skipped_loudly_then_a_real_one_trains(tmp_path, 
     # step 1: no pause and no push, only the version moves; step 2: one real push
     first_push = calls.index("/update_weights_from_disk")
     assert ("/admin/resume", {"weight_version": 1}) in gw.admin[:first_push]
+    # ...and the engine labels its unchanged weights version 1 first, so the tokens it generates from now on
+    # carry the trainer's version (tokens are tagged with the engine-reported version) and are not stale
+    relabel = gw.admin.index(("/update_weight_version", {"new_version": "1", "abort_all_requests": False}))
+    assert relabel < gw.admin.index(("/admin/resume", {"weight_version": 1}))
     assert "/admin/pause" not in calls[:calls.index("/admin/resume")]
     assert calls.count("/update_weights_from_disk") == 1 and gw.acked == ["lease-1", "lease-2"]
     # the trainer tells the gateway its group size with the budget

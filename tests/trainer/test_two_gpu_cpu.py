@@ -36,11 +36,14 @@ def test_two_gpu_bench_cpu_mode(tmp_path, tiny_model_dir):
     assert (one["world_size"], two["world_size"]) == (1, 2)
     assert sum(k.startswith("step:") for k in checks) == 4
     assert two["loss_tokens"] == one["loss_tokens"] > 0 and one["grad_norm"] > 0
-    # both push modes and both floors were timed; the engine ended at version 1 (disk) + 2 (broadcast) = 3
+    # every push mode and both floors were timed; the engine ended at version 1 (disk) + 1 (tensor handles)
+    # + 2 (broadcast, the first one forming the group) = 4
     modes = [r["mode"] for r in result["push"]]
     assert any(m.startswith("floor: raw gloo broadcast") for m in modes)
     assert any(m.startswith("disk") for m in modes)
     assert sum(m.startswith("broadcast (gloo") for m in modes) == 2
     assert all(math.isfinite(r["seconds"]) and r["seconds"] > 0 for r in result["push"])
-    assert checks["after broadcast pushes (v3): engine weight version"]["ok"]
+    assert any(m.startswith("tensor handles (/update_weights_from_tensor)") for m in modes)
+    assert checks["after tensor pushes (v2): engine weight version"]["ok"]
+    assert checks["after broadcast pushes (v4): engine weight version"]["ok"]
     assert any("output differs" in k and k.startswith("after disk") for k in checks)
