@@ -61,6 +61,7 @@ ROUTE_CLASSES = {
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
 }
 
 
@@ -129,7 +130,7 @@ def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, 
     import torch
 
     from trainer.model import load_model
-    from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, push_weights
+    from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, push_weights, relabel_version
 
     rec = Recorder()
     client = httpx.Client(transport=httpx.MockTransport(rec.handler))
@@ -142,9 +143,10 @@ def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, 
     sync._send_bucket(bucket, ["http://sglang"], 2, lambda group, flat, src: None)
     sync._engines = ["http://sglang"]
     sync.disconnect()
+    relabel_version(3, info=dist_info, control=DirectControl(["http://sglang"], client=client), client=client)
     seen = {p for p, _ in rec.bodies}
     assert {"/pause_generation", "/update_weights_from_disk", "/continue_generation",
-            "/update_weights_from_distributed", "/destroy_weights_update_group"} <= seen
+            "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version"} <= seen
     for path, body in rec.bodies:
         if path in ROUTE_CLASSES:
             obj = check_with_sglang(path, body, tokenizer)
@@ -153,6 +155,8 @@ def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, 
                 assert obj.shapes == [[8, 4], [4]] and obj.weight_version == "2"
             if path == "/pause_generation":
                 assert obj.mode == "retract"
+            if path == "/update_weight_version":
+                assert obj.new_version == "3" and obj.abort_all_requests is False
 
 
 def test_sglang_ignores_unknown_top_level_fields_and_refuses_unknown_sampling_keys() -> None:
