@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import secrets
 import shutil
 import threading
 import time
@@ -394,6 +395,10 @@ class BroadcastSync:
     def __post_init__(self) -> None:
         self.group = None
         self._engines: list[str] = []
+        # each connect forms its group under a fresh name (``group_name`` + a random suffix): a group left
+        # registered by a trainer that died (on the engine) or by an earlier sync in this process (here)
+        # would otherwise refuse the name
+        self._name = self.group_name
 
     def _tp_size(self, url: str) -> int:
         """Ranks the engine takes in the group: SGLang joins every TP worker, as ``rank_offset + tp_rank``."""
@@ -412,7 +417,7 @@ class BroadcastSync:
             self.group = None
         for url in self._engines:
             try:
-                _post(self.client, f"{url}/destroy_weights_update_group", {"group_name": self.group_name},
+                _post(self.client, f"{url}/destroy_weights_update_group", {"group_name": self._name},
                       timeout=30.0)
             except WeightSyncError as exc:  # an engine that restarted has no group; one that is gone, neither
                 log.info("destroy_weights_update_group on %s: %s", url, exc)
@@ -428,6 +433,7 @@ class BroadcastSync:
         from agentrl.weight_group import init_weight_group
 
         self.disconnect()
+        self._name = f"{self.group_name}-{secrets.token_hex(4)}"
         port = self.master_port or _free_port()
         offsets, world = [], 1
         for url in engines:
@@ -439,7 +445,7 @@ class BroadcastSync:
             try:
                 _post(self.client, f"{url}/init_weights_update_group",
                       {"master_address": self.master_addr, "master_port": port, "rank_offset": rank_offset,
-                       "world_size": world, "group_name": self.group_name, "backend": self.backend},
+                       "world_size": world, "group_name": self._name, "backend": self.backend},
                       timeout=self.timeout_s)
             except WeightSyncError as exc:
                 errors.append(str(exc))
@@ -449,7 +455,7 @@ class BroadcastSync:
             t.start()
         try:
             self.group = init_weight_group(master_address=self.master_addr, master_port=port, rank=0,
-                                           world_size=world, backend=self.backend, group_name=self.group_name,
+                                           world_size=world, backend=self.backend, group_name=self._name,
                                            timeout_s=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistBackendError; report with the engines' side
             for t in threads:
@@ -503,7 +509,7 @@ class BroadcastSync:
         from agentrl.weight_group import FLATTENED_BUCKET, flatten
 
         body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                "shapes": [list(t.shape) for _, t in bucket], "group_name": self._name,
                 "weight_version": str(version), "flush_cache": flush_cache, "load_format": FLATTENED_BUCKET}
         flat = flatten([t for _, t in bucket])
         errors: list[str] = []
