@@ -1,11 +1,15 @@
 """Request fields that constrain what the model may sample, and the refusal of those not enforced.
 
 An agent that asks for JSON (``response_format``), a forced tool call (``tool_choice: "required"`` or a
-named function) or one tool call per turn (``parallel_tool_calls: false``) relies on the server
-*enforcing* it; a gateway that accepts such a field and samples without it hands the agent free text and
+named function) relies on the server *enforcing* it; a gateway that accepts such a field and samples without it hands the agent free text and
 the trainer a distribution nobody asked for. So every such field at a non-default value that the gateway
 does not enforce yet is refused here with a 400 naming the field (``param``), before anything is planned
 or recorded.
+
+One exception, on purpose: ``parallel_tool_calls: false`` (Messages: ``disable_parallel_tool_use``) is
+accepted and not enforced, because Codex-style clients send it on every request and refusing it would refuse
+those agents outright. The model may then return more than one call; the turn records exactly what was
+sampled (the request, with the flag, is stored with it), so training stays on the sampled distribution.
 
 Penalties are enforced: ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` and the vLLM
 extensions ``repetition_penalty``, ``min_tokens`` are sent as SGLang's own ``sampling_params``
@@ -103,6 +107,3 @@ def refuse_unenforced(req: ChatCompletionRequest | CompletionRequest,
     if req.tools and isinstance(req.tool_choice, Mapping):
         raise _refuse("tool_choice", "a named tool_choice (a forced call of one function)",
                       "use 'auto' and check the reply for tool_calls", names)
-    if req.tools and req.parallel_tool_calls is False:
-        raise _refuse("parallel_tool_calls", "parallel_tool_calls=false (at most one tool call)",
-                      "leave it unset or true and use the first tool call", names)

@@ -47,6 +47,7 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -60,6 +61,8 @@ class SamplingParams:
             "top_p": self.top_p,
             "skip_special_tokens": False,
         }
+        if self.top_k > 0:
+            params["top_k"] = self.top_k
         if self.seed is not None:
             params["sampling_seed"] = self.seed
         if self.stop:

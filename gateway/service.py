@@ -247,7 +247,7 @@ class GenerationService:
 
     @staticmethod
     def _params_json(req: SamplingFields) -> dict[str, Any]:
-        return {**req.model_dump(include={"n", "temperature", "top_p", "seed", "stop", "max_tokens",
+        return {**req.model_dump(include={"n", "temperature", "top_p", "top_k", "seed", "stop", "max_tokens",
                                           "max_completion_tokens", "logprobs", "top_logprobs"},
                                  exclude_none=True),
                 **penalties_json(req)}
@@ -264,6 +264,7 @@ class GenerationService:
             max_new_tokens=min(limit, room),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k if req.top_k is not None and req.top_k > 0 else -1,
             seed=req.seed,
             stop=req.stop_list,
             stop_token_ids=self.svc.template.stop_token_ids,

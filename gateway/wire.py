@@ -52,6 +52,7 @@ class SamplingFields(WireModel):
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)  # SGLang / vLLM extension; 0 or -1: off
     seed: StrictInt | None = Field(default=None, ge=-SEED_MAX, le=SEED_MAX)
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)

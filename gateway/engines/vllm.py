@@ -54,6 +54,8 @@ def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict[str, An
         "logprobs": params.top_logprobs + 1 if params.top_logprobs else 0,
         "skip_special_tokens": False,
     }
+    if params.top_k > 0:
+        wire["top_k"] = params.top_k
     if params.seed is not None:
         wire["seed"] = params.seed
     if params.stop:

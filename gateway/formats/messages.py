@@ -244,12 +244,10 @@ def to_chat_request(req: MessagesRequest, conv: Conversation) -> ChatCompletionR
     body: dict[str, Any] = {
         "messages": conv.messages, "tools": conv.tools, "tool_choice": conv.tool_choice,
         "parallel_tool_calls": conv.parallel_tool_calls, "max_tokens": req.max_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "stop": req.stop_sequences or None,
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k or None,
+        "stop": req.stop_sequences or None,
         "stream": req.stream, "response_format": _response_format(req.output_config),
     }
-    if req.top_k:
-        raise InvalidRequest(f"top_k={req.top_k} is not enforced by this gateway yet, and it refuses rather than "
-                             "silently ignoring it; leave it unset", param="top_k", code="unsupported_parameter")
     try:
         chat_req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:

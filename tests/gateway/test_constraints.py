@@ -40,7 +40,7 @@ async def _refused(call: Any, param: str) -> None:
 
 
 async def test_chat_refuses_each_unenforced_constraint_and_records_nothing(make_gw: Any) -> None:
-    async with make_gw(["a"] * 4) as gw:
+    async with make_gw(["a"] * 5) as gw:
         sess = await gw.session()
         client = gw.sdk(key=sess["api_key"])
         cases: list[tuple[dict[str, Any], str]] = [
@@ -48,7 +48,6 @@ async def test_chat_refuses_each_unenforced_constraint_and_records_nothing(make_
             ({"response_format": SCHEMA_FORMAT}, "response_format"),
             ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
             ({"tools": TOOLS, "tool_choice": NAMED}, "tool_choice"),
-            ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
         ]
         for kwargs, param in cases:
             await _refused(client.chat.completions.create(model="m", messages=MSGS, max_tokens=2, **kwargs), param)
@@ -69,7 +68,11 @@ async def test_chat_refuses_each_unenforced_constraint_and_records_nothing(make_
         assert ok.choices[0].message.content == "a"
         ok = await client.chat.completions.create(model="m", messages=MSGS, max_tokens=2, tool_choice="none",
                                                   tools=TOOLS)
-        assert len(await interactions(gw, sess["session_id"])) == 2
+        # parallel_tool_calls=false is accepted, not enforced (Codex-style clients always send it)
+        ok = await client.chat.completions.create(model="m", messages=MSGS, max_tokens=2, tools=TOOLS,
+                                                  parallel_tool_calls=False)
+        assert ok.choices[0].message.content == "a"
+        assert len(await interactions(gw, sess["session_id"])) == 3
         # out-of-range values are ordinary validation errors
         for kwargs, param in [({"presence_penalty": 3}, "presence_penalty"),
                               ({"logit_bias": {"x": 1}}, "logit_bias"),
@@ -82,7 +85,7 @@ async def test_chat_refuses_each_unenforced_constraint_and_records_nothing(make_
 
 
 async def test_responses_refuses_text_format_and_forced_tools(make_gw: Any) -> None:
-    async with make_gw(["a"] * 2) as gw:
+    async with make_gw(["a"] * 3) as gw:
         sess = await gw.session()
         client = gw.sdk(key=sess["api_key"])
         fmt = {"type": "json_schema", "name": "city", "schema": SCHEMA_FORMAT["json_schema"]["schema"]}
@@ -95,24 +98,23 @@ async def test_responses_refuses_text_format_and_forced_tools(make_gw: Any) -> N
         await _refused(client.responses.create(model="m", input="hi", tools=[FN_TOOL],
                                                tool_choice={"type": "function", "name": "get_weather"}),
                        "tool_choice")
-        await _refused(client.responses.create(model="m", input="hi", tools=[FN_TOOL], parallel_tool_calls=False),
-                       "parallel_tool_calls")
         assert await interactions(gw, sess["session_id"]) == []
         ok = await client.responses.create(model="m", input="hi", text={"format": {"type": "text"}},
                                            max_output_tokens=2)
         assert ok.output_text == "a"
+        ok = await client.responses.create(model="m", input="hi again", tools=[FN_TOOL], parallel_tool_calls=False,
+                                           max_output_tokens=2)  # accepted, not enforced (Codex sends it)
+        assert ok.output_text == "a"
 
 
 async def test_messages_refuses_forced_tools_output_format_and_top_k(make_gw: Any) -> None:
-    async with make_gw(["a"] * 2) as gw:
+    async with make_gw(["a"] * 3) as gw:
         sess = await gw.session()
         client = claude(gw, key=sess["api_key"])
         msgs: Any = [{"role": "user", "content": "hi"}]
         cases: list[dict[str, Any]] = [
             {"tools": [WEATHER], "tool_choice": {"type": "any"}},
             {"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}},
-            {"tools": [WEATHER], "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
-            {"extra_body": {"top_k": 5}},
             {"extra_body": {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}},
         ]
         for kwargs in cases:
@@ -123,3 +125,9 @@ async def test_messages_refuses_forced_tools_output_format_and_top_k(make_gw: An
         ok = await client.messages.create(model="m", max_tokens=2, messages=msgs, tools=[WEATHER],
                                           tool_choice={"type": "auto"})
         assert ok.content[0].type == "text"
+        # top_k is enforced (sent to the engine as SGLang's top_k) and recorded, so export can refuse it
+        ok = await client.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "k"}],
+                                          extra_body={"top_k": 5})
+        assert ok.content[0].type == "text"
+        recorded = await interactions(gw, sess["session_id"])
+        assert [t.request["params"].get("top_k") for t in recorded] == [None, 5]
