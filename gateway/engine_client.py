@@ -173,6 +173,25 @@ def _error_message(resp: httpx.Response) -> str:
     return str(body)[:500]
 
 
+SSE_DONE = object()  # what :func:`sse_json` yields for the stream's ``data: [DONE]`` line
+
+
+async def sse_json(resp: httpx.Response, malformed: str) -> AsyncIterator[Any]:
+    """The JSON payloads of an engine's SSE stream (``data:`` lines), then :data:`SSE_DONE` if the engine
+    ended it with ``[DONE]``; a payload that is not JSON raises EngineError(``malformed``)."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            yield SSE_DONE
+            return
+        try:
+            yield json.loads(data)
+        except ValueError as exc:
+            raise EngineError(malformed) from exc
+
+
 class EngineClient:
     """One SGLang-native engine at ``base_url``, spoken to through the injected ``http`` client."""
 
@@ -247,16 +266,9 @@ class EngineClient:
                 if resp.status_code >= 400:
                     await resp.aread()
                     self._check(resp)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for chunk in sse_json(resp, f"engine {self.base_url} sent a malformed stream chunk"):
+                    if chunk is SSE_DONE:
                         return
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError as exc:
-                        raise EngineError(f"engine {self.base_url} sent a malformed stream chunk") from exc
                     if isinstance(chunk, dict) and "error" in chunk:
                         raise self._stream_error(chunk["error"])
                     yield parse_output(chunk)

@@ -24,7 +24,6 @@ routes exist only when the server runs with ``VLLM_SERVER_DEV_MODE=1``):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -32,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from gateway.engine_client import EngineClient, EngineOutput, SamplingParams, _parse_version
+from gateway.engine_client import SSE_DONE, EngineClient, EngineOutput, SamplingParams, _parse_version, sse_json
 from gateway.engines import EngineInfo
 from gateway.errors import EngineError, GatewayError
 
@@ -174,17 +173,10 @@ class VLLMClient(EngineClient):
                 if resp.status_code >= 400:
                     await resp.aread()
                     self._check(resp)
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for event in sse_json(resp, f"vLLM {self.base_url} sent a malformed stream event"):
+                    if event is SSE_DONE:
                         done = True
                         return
-                    try:
-                        event = json.loads(data)
-                    except ValueError as exc:
-                        raise EngineError(f"vLLM {self.base_url} sent a malformed stream event") from exc
                     if isinstance(event, dict) and "error" in event:  # ErrorResponse inside the stream
                         raise self._stream_error(event["error"])
                     if acc.add(event):
