@@ -8,7 +8,8 @@ and its own ``torch.Generator``.
 Logprob convention (documented in docs/engine.md): the returned log-probability is that of the sampled
 token under the distribution actually sampled from, i.e. ``log_softmax(logits / T)`` restricted to the
 top-k / top-p / min-p support and renormalised over it, after SGLang's penalties and ``logit_bias``
-(:func:`penalise`) where a row has them. Greedy rows (``temperature == 0``) report
+(:func:`penalise`) where a row has them, and over the tokens its grammar allows where it has one (the
+scheduler masks those rows' logits first, ``engine/grammar.py``: masked and renormalised). Greedy rows (``temperature == 0``) report
 ``log_softmax(logits)`` (temperature 1). With ``temperature=1, top_p=1, top_k=-1, min_p=0`` this is exactly
 the log-softmax of the model's logits, the value a trainer recomputes.
 """
@@ -67,6 +68,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # logit / p if positive else logit x p, once the token appeared
     min_new_tokens: int = 0  # stop tokens (stop_token_ids + EOS) are impossible before this many outputs
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits
+    # SGLang's grammar constraints (engine/grammar.py), at most one; the text as sent
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +82,15 @@ class SamplingParams:
     def penalised(self) -> bool:
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
                     or self.min_new_tokens or self.logit_bias)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(kind, source)`` of the request's grammar constraint, or None."""
+        for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
 
     @classmethod
     def parse(cls, raw: Any, *, vocab_size: int) -> "SamplingParams":
@@ -154,6 +169,16 @@ class SamplingParams:
                 if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
                     raise InvalidRequest(f"sampling_params.logit_bias: key {key!r} is not a token id in [0, {vocab_size})")
                 params.logit_bias[int(key)] = float(_number(f"logit_bias[{key}]", value))
+        grammars = []
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            if name in values:
+                if not isinstance(values[name], str):
+                    raise InvalidRequest(f"sampling_params.{name} must be a string, got {type(values[name]).__name__}")
+                if values[name]:  # SGLang treats "" as unset
+                    setattr(params, name, values[name])
+                    grammars.append(name)
+        if len(grammars) > 1:
+            raise InvalidRequest(f"only one of json_schema, regex, ebnf, or structural_tag can be set; got {grammars}")
         if "sampling_seed" in values:
             params.sampling_seed = int(_number("sampling_seed", values["sampling_seed"], integer=True))
         return params

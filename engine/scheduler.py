@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from engine import batch as batching
+from engine.grammar import advance, mask_rows
 from engine.sampling import SamplingParams, sample
 
 log = logging.getLogger("agentrl.engine")
@@ -63,6 +64,7 @@ class Request:
     weight_version: int = 0
     created: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
+    grammar: Any = None  # the request's xgrammar GrammarMatcher (engine/grammar.py), if it is constrained
 
     def snapshot(self) -> Snapshot:
         finished = self.finish_reason is not None
@@ -317,6 +319,9 @@ class Scheduler:
 
     def _sample_and_advance(self, reqs: list[Request], batch: batching.Batch, logits: torch.Tensor) -> set[int]:
         """Sample a token for every row, record it, and return the rows that finished."""
+        constrained = [row for row, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:  # only these rows are masked; a batch without grammars skips this entirely
+            logits = mask_rows(logits, constrained, [reqs[row].grammar for row in constrained])
         tokens, logprobs, dist = sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
                                         [r.output_ids for r in reqs], self.eos_ids)
         self.last_output = time.monotonic()
@@ -328,8 +333,14 @@ class Scheduler:
             req.logprobs.append(float(logprobs[row]))
             if req.top_logprobs_num > 0:
                 values, ids = dist[row].topk(req.top_logprobs_num)
-                req.top_logprobs.append([(float(v), int(i)) for v, i in zip(values.cpu(), ids.cpu())])
+                # tokens outside the sampled support (masked, filtered) have no probability: not listed
+                req.top_logprobs.append([(float(v), int(i)) for v, i in zip(values.cpu(), ids.cpu())
+                                         if v > float("-inf")])
             self.stats.generated_tokens += 1
+            if req.grammar is not None and not advance(req.grammar, token):
+                finished.add(row)
+                self._finish(req, {"type": "abort", "message": f"grammar refused sampled token {token}"})
+                continue
             reason = self._stop_reason(req, token)
             if reason is not None:
                 finished.add(row)

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agentrl.weight_group import (FLATTENED_BUCKET, WeightGroup, broadcast_flat, broadcast_tensors, destroy_weight_group,
                                   flat_size, init_weight_group, unflatten)
 from engine.config import EngineSettings
+from engine.grammar import Grammars
 from engine.models import resolve_model
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import Request, Scheduler, Snapshot
@@ -45,6 +46,7 @@ class GenerateInput:
     logprob_start_len: int
     top_logprobs_num: int
     return_text_in_logprobs: bool
+    grammar: Any = None  # the compiled grammar of params.grammar (engine/grammar.py)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, snap: Snapshot) -> None:
@@ -83,6 +85,7 @@ class Engine:
             self.model, self.tokenizer, max_running_requests=settings.max_running_requests,
             context_length=self.context_length,
         )
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_ids)
         self.groups: dict[str, WeightGroup] = {}
         self._update_lock = asyncio.Lock()  # one weight update at a time
 
@@ -147,6 +150,10 @@ class Engine:
 
     async def generate(self, inp: GenerateInput, is_disconnected=None) -> AsyncIterator[dict[str, Any]]:
         """Yield response dicts: one at the end, or (stream) one per new token, each cumulative."""
+        if inp.params.grammar is not None and inp.grammar is None:
+            # compiled off the event loop (the first grammar also scans the vocabulary: seconds); a grammar
+            # that does not compile raises InvalidRequest here: a 400, or an error event in a stream
+            inp.grammar = await asyncio.to_thread(self.grammars.compile, *inp.params.grammar)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Snapshot] = asyncio.Queue()
         req = Request(
@@ -158,6 +165,7 @@ class Engine:
             return_logprob=inp.return_logprob,
             top_logprobs_num=inp.top_logprobs_num,
             input_logprobs=inp.return_logprob and inp.logprob_start_len >= 0,
+            grammar=self._matcher(inp),
         )
         self.scheduler.submit(req)
         finished = False
@@ -179,6 +187,14 @@ class Engine:
         finally:
             if not finished:  # client went away: free the batch slot
                 self.scheduler.control("abort", request=req, message="client disconnected")
+
+    def _matcher(self, inp: GenerateInput) -> Any:
+        """The request's grammar matcher: the grammar may end on the row's stop tokens (its
+        ``stop_token_ids``, and EOS unless ``ignore_eos``)."""
+        if inp.grammar is None:
+            return None
+        stops = set(inp.params.stop_token_ids) | (set() if inp.params.ignore_eos else self.scheduler.eos_ids)
+        return self.grammars.matcher(inp.grammar, stops or self.scheduler.eos_ids)
 
     def to_json(self, inp: GenerateInput, snap: Snapshot) -> dict[str, Any]:
         reason = snap.finish_reason
