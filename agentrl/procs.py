@@ -31,8 +31,9 @@ import httpx
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def _die_with(parent_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` giving the child SIGTERM when ``parent_pid`` dies (Linux, main thread only)."""
+def die_with(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` giving the child SIGTERM when ``parent_pid`` dies (Linux, main thread only; also
+    used by ``agentrl gateway --workers``)."""
     if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
         return None
     libc = ctypes.CDLL(None, use_errno=True)
@@ -74,7 +75,7 @@ class Processes:
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
-            preexec_fn=_die_with(os.getpid()),
+            preexec_fn=die_with(os.getpid()),
         )
         log.close()
         child = Child(name, proc, log_path)

@@ -11,6 +11,8 @@ staleness budget of DESIGN.md section 5 replaces it (``app.state.admission = ...
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Awaitable
 from typing import Any, Protocol
 
 
@@ -25,8 +27,15 @@ class Admission(Protocol):
     def update_trainer(self, status: dict[str, Any]) -> Any:
         """The trainer's ``{"version", "batch_size", "staleness_bound"}``, as posted to /admin/trainer."""
 
-    def status(self) -> dict[str, Any]:
-        """For ``GET /admin/trainer``."""
+    def status(self) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        """For ``GET /admin/trainer`` (read it with :func:`admission_status`)."""
+
+
+async def admission_status(admission: Admission) -> dict[str, Any]:
+    """``admission.status()``, awaited when the policy reads shared state: the staleness budget lives in
+    SQL, so every worker process and replica shows the same trainer, whichever one it registered with."""
+    got = admission.status()
+    return await got if inspect.isawaitable(got) else got
 
 
 class AlwaysAdmit:

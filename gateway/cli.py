@@ -2,12 +2,14 @@
 
     agentrl gateway --engine-url http://127.0.0.1:30000 --db sqlite+aiosqlite:///runs/gw.db \
         --port 8000 --admin-key ADMIN --agent-key AGENT [--redis redis://127.0.0.1:6379/0]
+
+    # several worker processes on one port (PostgreSQL + Redis; see gateway.workers)
+    agentrl gateway ... --db postgresql+asyncpg://USER@HOST/DB --redis redis://HOST:6379/0 --workers 4
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from agentrl.settings import SettingsError, add_arguments, load
@@ -27,15 +29,15 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"agentrl gateway: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "alembic"):  # one line per engine request / migration step otherwise
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-    import uvicorn
+    from gateway.workers import Supervisor, check_port_free, configure_logging, serve
 
-    from gateway.app import create_app
-
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=5)
-    return 0
+    configure_logging(settings)
+    if settings.workers == 1:
+        serve(settings)
+        return 0
+    try:
+        check_port_free(settings.host, settings.port)
+    except OSError as exc:
+        print(f"agentrl gateway: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 1
+    return Supervisor(settings).run()

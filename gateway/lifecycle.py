@@ -1,6 +1,8 @@
 """Session lifecycle and group readiness: from recorded sessions to queued GRPO groups.
 
-A background loop (one per gateway; with Redis, one leader among replicas) does, every ``tick_s``:
+A background loop (one per gateway; with Redis, one leader among replicas and worker processes: the
+process holding the lock ``<prefix>lifecycle:leader``, taken or renewed atomically at every tick, lapsing
+``LEADER_TTL_MS`` after its holder stops renewing, released at shutdown) does, every ``tick_s``:
 
 1. **Idle finish.** An active session idle for ``idle_timeout_s`` that has at least one reward (on a turn
    or on the session) and no turn in flight is finished.
@@ -36,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 import typing
 import uuid
@@ -69,6 +72,21 @@ from gateway.store import errors as store_errors
 
 log = logging.getLogger("agentrl.gateway.lifecycle")
 ENV_PREFIX = "AGENTRL_GATEWAY_"
+
+# The lifecycle leader lock (KEYS[1]; ARGV: holder id, ttl ms): renew it if held by ARGV[1], else take it
+# if free. Returns 1 when ARGV[1] holds it afterwards.
+_TAKE_OR_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 @dataclass
@@ -252,7 +270,6 @@ class StalenessAdmission:
     def __init__(self, service: TrajectoryService) -> None:
         self.service = service
         self._pending: list[asyncio.Future[Any]] = []
-        self._state: dict[str, Any] | None = None
 
     async def _settle(self) -> None:
         """Let trainer updates posted just before this check land first (their errors went to the
@@ -279,13 +296,15 @@ class StalenessAdmission:
         return task
 
     async def _configure(self, status: dict[str, Any]) -> None:
-        state = await self.service.configure_trainer(
+        await self.service.configure_trainer(
             version=int(status["version"]), batch_size=int(status["batch_size"]),
             staleness_bound=int(status["staleness_bound"]), group_size=status.get("group_size"))
-        self._state = state.as_dict()
 
-    def status(self) -> dict[str, Any]:
-        return {"policy": "staleness", "trainer": self._state}
+    async def status(self) -> dict[str, Any]:
+        """The trainer as stored in SQL (shared by every worker and replica), not as last posted here."""
+        await self._settle()
+        state = await self.service.staleness.state()
+        return {"policy": "staleness", "trainer": state.as_dict() if state is not None else None}
 
 
 def target_group_size(first: SessionRecord, default: int) -> int:
@@ -332,7 +351,9 @@ class TrajectoryService:
         self._stopping = False
         self._wake = asyncio.Event()
         self._has_reward: set[str] = set()
-        self._leader_id = uuid.uuid4().hex
+        # who holds the lock, readable by operators: host, pid, and a random part (pids are reused)
+        self._leader_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.leading = False  # whether the last tick held the leader lock
         self._leader_key = f"{store.redis_prefix}lifecycle:leader"
         self.fault_points: dict[str, BaseException] = {}  # tests only: see _fault
 
@@ -357,6 +378,7 @@ class TrajectoryService:
                 if current is not None and current.cancelling():
                     raise  # our caller was cancelled, not (only) the loop
             self._task = None
+        await self._resign()
         await self.inflight.close()
         await self.queue.close()
 
@@ -385,16 +407,34 @@ class TrajectoryService:
                 pass
 
     async def _is_leader(self) -> bool:
+        """Take or keep the leader lock: one atomic step (a holder's renewal cannot extend a lock that
+        lapsed and was taken by another process in between)."""
         redis = self.store.redis
         if redis is None:
+            self.leading = True
             return True
-        key, me = self._leader_key, self._leader_id.encode()
-        if await redis.set(key, me, nx=True, px=self.LEADER_TTL_MS):
-            return True
-        if await redis.get(key) == me:
-            await redis.pexpire(key, self.LEADER_TTL_MS)
-            return True
-        return False
+        got = await redis.eval(_TAKE_OR_RENEW, 1, self._leader_key, self._leader_id, self.LEADER_TTL_MS)
+        self.leading = bool(got)
+        return self.leading
+
+    async def _resign(self) -> None:
+        """Let the lock go at shutdown (if still ours), so another process leads at its next tick."""
+        redis = self.store.redis
+        if redis is None or not self.leading:
+            return
+        try:
+            await redis.eval(_RELEASE, 1, self._leader_key, self._leader_id)
+        except RedisError as exc:
+            log.warning("lifecycle leader lock not released (it lapses in %d ms): %s", self.LEADER_TTL_MS, exc)
+        self.leading = False
+
+    async def leader(self) -> str | None:
+        """The id of the process holding the leader lock (``host:pid:random``); this one's without Redis."""
+        redis = self.store.redis
+        if redis is None:
+            return self._leader_id
+        holder = await redis.get(self._leader_key)
+        return holder.decode() if isinstance(holder, bytes) else holder
 
     async def tick(self, now: float | None = None) -> None:
         """One pass of idle finish, readiness/export and staleness upkeep."""
@@ -625,6 +665,7 @@ class TrajectoryService:
         counts = await self.queue.counts()
         state = await self.staleness.state()
         return {
+            "leader": {"id": await self.leader(), "this_process": self._leader_id, "leading": self.leading},
             "stats": asdict(self.stats),
             "queue": asdict(counts),
             "trainer": state.as_dict() if state else None,

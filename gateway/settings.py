@@ -26,6 +26,9 @@ class GatewaySettings:
     redis_prefix: str = field(default="agentrl:", metadata={"help": "prefix of every Redis key"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
+    workers: int = field(default=1, metadata={
+        "help": "worker processes serving the port (SO_REUSEPORT); more than 1 needs PostgreSQL and Redis, "
+                "which the workers share (see docs/gateway.md, 'Several workers')"})
     admin_key: str = field(default="", metadata={
         "help": "bearer key for /admin/*, POST /v1/sessions and trajectory leasing (required)"})
     runner_key: list[str] = field(default_factory=list, metadata={
@@ -101,6 +104,19 @@ class GatewaySettings:
             raise SettingsError("--runner-key must differ from --admin-key and every --agent-key")
         if not 0 < self.port < 65536:
             raise SettingsError(f"--port {self.port} is not a valid TCP port (1-65535)")
+        if self.workers < 1:
+            raise SettingsError(f"--workers {self.workers}: must be at least 1")
+        if self.workers > 1 and self.db.startswith("sqlite"):
+            raise SettingsError(
+                f"--workers {self.workers} needs PostgreSQL (--db postgresql+asyncpg://...): SQLite lets one "
+                "process write at a time, and each worker has its own group-commit writer, so the workers would "
+                "queue on the database file's lock ('database is locked') instead of adding throughput; "
+                "use --workers 1 with SQLite")
+        if self.workers > 1 and not self.redis:
+            raise SettingsError(
+                f"--workers {self.workers} needs --redis URL: the workers share the pause state and weight "
+                "version, turns in flight, the implicit-session index, the session cache and the lifecycle "
+                "leader lock through Redis (without it each worker would keep its own copy)")
         if self.max_body_bytes < 1024:
             raise SettingsError("--max-body-bytes must be at least 1024")
         if not self.pause_timeout_s > 0:

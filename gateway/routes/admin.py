@@ -8,6 +8,7 @@ import inspect
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from gateway.admission import admission_status
 from gateway.binding import require_admin
 from gateway.context import services
 from gateway.control import ControlPlane
@@ -72,10 +73,10 @@ async def trainer(request: Request) -> JSONResponse:
         await applied
     if body.metrics:
         await trainer_log(request.app.state).add(version=body.version, metrics=body.metrics)
-    return JSONResponse(admission.status())
+    return JSONResponse(await admission_status(admission))
 
 
 @router.get("/trainer")
 async def trainer_status(request: Request) -> JSONResponse:
     await _admin(request)
-    return JSONResponse(services(request).admission.status())
+    return JSONResponse(await admission_status(services(request).admission))

@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import quote
 
 from agentrl.trajectory import Row, Turn, abandoned_retries, export_session, turn_from_interaction
+from gateway.admission import admission_status
 from gateway.errors import InvalidRequest, NotFound
 from gateway.lifecycle import ExportSettings, grpo_chunks
 from gateway.store import Interaction, SessionRecord, Store
@@ -333,7 +334,7 @@ async def trainer_detail(app_state: Any, entries: list[dict[str, Any]]) -> dict[
     described = await service.describe() if service is not None else None
     router = svc.router
     return {
-        "admission": svc.admission.status(),
+        "admission": await admission_status(svc.admission),
         "trainer": described["trainer"] if described else None,
         "queue": described["queue"] if described else None,
         "stats": described["stats"] if described else None,
