@@ -62,6 +62,7 @@ class UpSettings:
     device: str = field(default="cpu", metadata={"help": "device of the embedded engine and trainer", "choices": ("cpu", "cuda")})
     engine_max_running: int = field(default=64, metadata={"help": "the embedded engine's --max-running-requests (decode batch); on a GPU raise it with --concurrency, e.g. 128"})
     sync_mode: str = field(default="auto", metadata={"help": "weight sync: disk, broadcast, tensor (CUDA IPC handles; engine and trainer on one GPU) or auto (tensor with --device cuda and the embedded engine, else disk)", "choices": ("auto", "disk", "broadcast", "tensor")})
+    release_memory: str = field(default="none", metadata={"help": "during each train step the engine frees this GPU memory (none, kv_cache, or all: KV cache and weights) and takes it back before the weight push (SGLang's release/resume_memory_occupation)", "choices": ("none", "kv_cache", "all")})
     step_timeout_s: float = field(default=900.0, metadata={"help": "give up when one step takes longer than this"})
 
     def validate(self) -> None:
@@ -163,6 +164,7 @@ def up(settings: UpSettings) -> dict[str, Any]:
                 "--batch-groups", str(settings.batch_groups), "--lr", str(settings.lr),
                 "--checkpoint-dir", str(out / "trainer"), "--sync-mode", settings.sync_mode,
                 "--device", settings.device, "--no-resume", "--micro-batch-tokens", "4096",
+                "--release-memory", settings.release_memory,
             ])
 
             evals: dict[str, dict[str, Any]] = {}

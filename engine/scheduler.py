@@ -26,11 +26,14 @@ import torch
 
 from engine import batch as batching
 from engine.grammar import advance, mask_rows
+from engine.memory import WEIGHTS, MemoryOccupation
 from engine.sampling import SamplingParams, sample
+from engine.weights import WeightUpdateError
 
 log = logging.getLogger("agentrl.engine")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK"  # rid prefix of /health's probe requests (SGLang's HEALTH_CHECK_RID_PREFIX)
 
 
 @dataclass
@@ -119,6 +122,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self.memory = MemoryOccupation(model)  # release/resume_memory_occupation (engine.memory)
         self.error: BaseException | None = None
         self.last_output = 0.0  # time.monotonic() of the last sampled token (what /health waits for)
 
@@ -145,7 +149,8 @@ class Scheduler:
     def control(self, command: str, **args: Any) -> Future:
         """Run ``command`` between scheduler steps; the future holds its result.
 
-        ``pause(mode)``, ``continue()``, ``abort(rid=... | request=... | abort_all=True, message=...)``.
+        ``pause(mode)``, ``continue()``, ``abort(rid=... | request=... | abort_all=True, message=...)``,
+        ``release_memory(tags=[...])``, ``resume_memory(tags=[...] | None)`` (engine.memory).
         """
         future: Future = Future()
         with self._wake:
@@ -220,6 +225,18 @@ class Scheduler:
                         if req.finish_reason is None:
                             self._abort(req, message)
                 future.set_result(None)
+            elif command == "release_memory":
+                with self._wake:  # health probes wait behind a pause; they must not keep the engine busy
+                    probes = [r for r in self._waiting if r.rid.startswith(HEALTH_CHECK_PREFIX)]
+                for req in probes:
+                    self._abort(req, "memory released")
+                with self._wake:
+                    idle = not self._running and not self._waiting
+                if idle:
+                    self._batch = None
+                future.set_result(self.memory.release(args["tags"], idle=idle))
+            elif command == "resume_memory":
+                future.set_result(self.memory.resume(args.get("tags")))
             else:
                 raise ValueError(f"unknown control command {command!r}")
         except BaseException as exc:
@@ -234,6 +251,9 @@ class Scheduler:
         state = self.model.state_dict(keep_vars=True)
         for tensors, version, _, future in self._swaps:
             try:
+                if tensors and WEIGHTS in self.memory.released:
+                    raise WeightUpdateError("the weights are released (release_memory_occupation); resume them "
+                                            "first: POST /resume_memory_occupation {\"tags\": [\"weights\"]}")
                 with torch.no_grad():
                     for name, tensor in tensors.items():
                         state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
@@ -274,6 +294,13 @@ class Scheduler:
         self._running = [self._running[i] for i in keep]
 
     def _admit(self) -> None:
+        if self.memory.asleep:  # a request that slipped in while the memory was being released
+            with self._wake:
+                late = list(self._waiting)
+            for req in late:
+                self._abort(req, f"engine memory released ({sorted(self.memory.released)}): "
+                                 "call /resume_memory_occupation first")
+            return
         with self._wake:
             room = self.max_running - len(self._running)
             new = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]

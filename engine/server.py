@@ -17,11 +17,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
+from engine.memory import MemoryStateError
 from engine.sampling import InvalidRequest
 from engine.scheduler import PAUSE_MODES
-from engine.service import Engine
+from engine.service import Engine, EngineAsleep
 from engine.weights import WeightUpdateError
 
 log = logging.getLogger("agentrl.engine")
@@ -84,6 +85,12 @@ class UpdateFromTensorIn(Wire):
     torch_empty_cache: StrictBool = False
 
 
+class MemoryOccupationIn(Wire):
+    """SGLang 0.5.19 ``ReleaseMemoryOccupationReqInput`` / ``ResumeMemoryOccupationReqInput``."""
+
+    tags: list[StrictStr] | None = None
+
+
 class InitGroupIn(Wire):
     master_address: StrictStr
     master_port: StrictInt
@@ -136,7 +143,10 @@ async def _optional_body(request: Request, model: type[Wire]) -> Wire:
         raise RequestValidationError([{"loc": ["body"], "msg": f"invalid JSON: {exc}", "type": "json_invalid"}]) from exc
     if not isinstance(data, dict):
         raise RequestValidationError([{"loc": ["body"], "msg": "body must be a JSON object", "type": "type_error"}])
-    return model.model_validate(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:  # the same 400 as a schema error of a required body
+        raise RequestValidationError([{**e, "loc": ["body", *e["loc"]]} for e in exc.errors()]) from exc
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -162,9 +172,18 @@ def create_app(engine: Engine) -> FastAPI:
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
         return _bad_request(str(exc))
 
+    @app.exception_handler(MemoryStateError)
+    async def memory_state_error(request: Request, exc: MemoryStateError) -> JSONResponse:
+        return _bad_request(str(exc))
+
+    @app.exception_handler(EngineAsleep)
+    async def engine_asleep(request: Request, exc: EngineAsleep) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(exc)}}, status_code=503)
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(body: GenerateIn, request: Request) -> Response:
         body.log_unknown("/generate")
+        engine.check_awake()  # released memory: 503 before anything streams
         if body.stream:
             # SGLang checks a request past its schema only once the stream has begun: such an error is
             # an event (status 200), then [DONE]. Only schema errors answer 400 before streaming.
@@ -279,6 +298,22 @@ def create_app(engine: Engine) -> FastAPI:
         except WeightUpdateError as exc:
             return _weight_result(False, f"Failed to update weights: {exc}. The old weights keep serving.")
         return _weight_result(True, "Success")
+
+    # SGLang answers both with status 200 and the body null (the route returns None), or 400
+    # {"error": {"message"}}; it accepts GET too. The body may be empty (all tags).
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request) -> JSONResponse:
+        body = await _optional_body(request, MemoryOccupationIn)
+        body.log_unknown("/release_memory_occupation")
+        await engine.release_memory(body.tags)
+        return JSONResponse(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request) -> JSONResponse:
+        body = await _optional_body(request, MemoryOccupationIn)
+        body.log_unknown("/resume_memory_occupation")
+        await engine.resume_memory(body.tags)
+        return JSONResponse(None)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitGroupIn) -> JSONResponse:

@@ -4,6 +4,8 @@ Routes (engine/server.py) parse the wire body, call one method here and turn the
 
     InvalidRequest (engine.sampling)   -> 400 {"error": {"message": ...}}      bad /generate input
     WeightUpdateError (engine.weights) -> 400 {"success": false, "message": ...}  refused weight update
+    MemoryStateError (engine.memory)   -> 400 {"error": {"message": ...}}      refused release/resume
+    EngineAsleep                       -> 503 {"error": {"message": ...}}      generation while memory is released
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from agentrl.weight_group import (FLATTENED_BUCKET, WeightGroup, broadcast_flat,
                                   flat_size, init_weight_group, unflatten)
 from engine.config import EngineSettings
 from engine.grammar import Grammars
+from engine.memory import WEIGHTS, device_memory, parse_tags
 from engine.models import resolve_model
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import Request, Scheduler, Snapshot
@@ -47,6 +50,10 @@ class GenerateInput:
     top_logprobs_num: int
     return_text_in_logprobs: bool
     grammar: Any = None  # the compiled grammar of params.grammar (engine/grammar.py)
+
+
+class EngineAsleep(RuntimeError):
+    """Generation asked for while memory is released (``/release_memory_occupation``): answered 503."""
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, snap: Snapshot) -> None:
@@ -148,6 +155,12 @@ class Engine:
             return_text_in_logprobs=bool(body.return_text_in_logprobs),
         )
 
+    def check_awake(self) -> None:
+        released = self.scheduler.memory.released
+        if released:
+            raise EngineAsleep(f"the engine's memory is released ({sorted(released)}) while a trainer uses the GPU; "
+                               "generation resumes after POST /resume_memory_occupation")
+
     async def generate(self, inp: GenerateInput, is_disconnected=None) -> AsyncIterator[dict[str, Any]]:
         """Yield response dicts: one at the end, or (stream) one per new token, each cumulative."""
         if inp.params.grammar is not None and inp.grammar is None:
@@ -243,7 +256,7 @@ class Engine:
         produces any token after the probe began (so a busy engine answers at once). Like any request it
         waits behind a pause, so a paused engine is unhealthy after ``health_timeout_s`` (SGLang:
         ``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, polled every second; polled every 0.1 s here)."""
-        if not self.scheduler.alive:
+        if not self.scheduler.alive or self.scheduler.memory.asleep:
             return False
         started = time.monotonic()
         probe = Request(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
@@ -272,11 +285,40 @@ class Engine:
     async def abort(self, rid: str | None, abort_all: bool) -> None:
         await asyncio.wrap_future(self.scheduler.control("abort", rid=rid, abort_all=abort_all))
 
+    # ----- memory (engine.memory) -----
+
+    async def release_memory(self, tags: list[str] | None) -> list[str]:
+        """SGLang's ``/release_memory_occupation``; returns the tags now released."""
+        wanted = parse_tags(tags)
+        async with self._update_lock:  # not in the middle of a weight update
+            started = time.perf_counter()
+            released = await asyncio.wrap_future(self.scheduler.control("release_memory", tags=wanted))
+            log.warning("released %s in %.3fs (%s)", wanted, time.perf_counter() - started,
+                        device_memory(self.scheduler.memory.device) or "cpu")
+            return released
+
+    async def resume_memory(self, tags: list[str] | None) -> list[str]:
+        """SGLang's ``/resume_memory_occupation``; returns the tags still released."""
+        if tags:
+            parse_tags(tags)
+        async with self._update_lock:
+            started = time.perf_counter()
+            still = await asyncio.wrap_future(self.scheduler.control("resume_memory", tags=tags or None))
+            log.warning("resumed %s in %.3fs (%s)", tags or "all", time.perf_counter() - started,
+                        device_memory(self.scheduler.memory.device) or "cpu")
+            return still
+
+    def check_weights_resident(self) -> None:
+        if WEIGHTS in self.scheduler.memory.released:
+            raise WeightUpdateError("the weights are released (release_memory_occupation); resume them first: "
+                                    "POST /resume_memory_occupation {\"tags\": [\"weights\"]}")
+
     # ----- weights -----
 
     async def update_from_disk(self, model_path: str, *, weight_version: Any, abort_all: bool) -> int:
         version = parse_weight_version(weight_version)
         async with self._update_lock:
+            self.check_weights_resident()
             started = time.perf_counter()
             tensors = await asyncio.to_thread(load_from_disk, self.model, model_path)
             new = await asyncio.wrap_future(self.scheduler.swap_weights(tensors, version=version, abort_running=abort_all))
@@ -296,6 +338,7 @@ class Engine:
         """SGLang's ``/update_weights_from_tensor``: tensors by handle (CUDA IPC on a shared GPU), copied in place."""
         version = parse_weight_version(weight_version)
         async with self._update_lock:
+            self.check_weights_resident()
             started = time.perf_counter()
             tensors = await asyncio.to_thread(decode_named_tensors, self.model, serialized_named_tensors, load_format)
             new = await asyncio.wrap_future(self.scheduler.swap_weights(tensors, version=version, abort_running=abort_all))
@@ -339,6 +382,7 @@ class Engine:
         async with self._update_lock:
             refusal: WeightUpdateError | None = None
             try:
+                self.check_weights_resident()
                 check_names_and_shapes(self.model, {n: s for n, _, s in manifest}, complete=False)
             except WeightUpdateError as exc:
                 refusal = exc  # still receive the bucket below, so that the sender's broadcast completes
@@ -373,7 +417,9 @@ class Engine:
         }
 
     def server_info(self) -> dict[str, Any]:
-        state = {**self.scheduler.stats.as_dict(), **self.scheduler.counts(), "paused": self.scheduler.paused}
+        memory = self.scheduler.memory
+        state = {**self.scheduler.stats.as_dict(), **self.scheduler.counts(), "paused": self.scheduler.paused,
+                 "memory_released": sorted(memory.released), **device_memory(memory.device)}
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.tokenizer_path,

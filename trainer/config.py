@@ -17,6 +17,9 @@ from trainer.core_algos import ADV_ESTIMATORS, LOSS_AGG_MODES
 from trainer.engine_ops import ENGINE_KINDS
 
 SYNC_MODES: tuple[str, ...] = ("disk", "broadcast", "tensor", "none")
+# --release-memory: what the engines give back during each train step (SGLang's memory tags)
+RELEASE_MEMORY: dict[str, list[str]] = {"none": [], "kv_cache": ["kv_cache"],
+                                        "all": ["kv_cache", "weights", "cuda_graph"]}
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
@@ -58,6 +61,7 @@ class TrainerSettings:
 
     # weights out
     sync_mode: str = field(default="disk", metadata=_h("how weights reach the engines: disk (save + /update_weights_from_disk), broadcast (/update_weights_from_distributed over a process group), tensor (/update_weights_from_tensor: CUDA IPC handles, engines on the trainer's GPU), none", choices=SYNC_MODES))
+    release_memory: str = field(default="none", metadata=_h("engines sharing the trainer's GPU: during each train step generation is paused and the engines free this memory (SGLang's /release_memory_occupation): none, kv_cache, or all (KV cache and weights); taken back before the weight push", choices=tuple(RELEASE_MEMORY)))
     sync_dir: str = field(default="", metadata=_h("disk mode: directory the engines can read; default <checkpoint_dir>/sync"))
     sync_retries: int = field(default=3, metadata=_h("attempts per weight push before the trainer stops with an error"))
     sync_bucket_mb: float = field(default=256.0, metadata=_h("broadcast mode: tensors are sent in buckets of about this many MB"))
@@ -98,9 +102,10 @@ class TrainerSettings:
                 f"{self.max_seq_len}); a row is never split, so raise --micro-batch-tokens to at least "
                 f"{self.max_seq_len} or lower the agents' max tokens"
             )
-        for name in ("sync_mode", "adv_estimator", "loss_agg_mode", "device", "dtype", "engine_kind"):
+        for name in ("sync_mode", "adv_estimator", "loss_agg_mode", "device", "dtype", "engine_kind", "release_memory"):
             valid = {"sync_mode": SYNC_MODES, "adv_estimator": ADV_ESTIMATORS, "loss_agg_mode": LOSS_AGG_MODES,
-                     "device": DEVICES, "dtype": DTYPES, "engine_kind": ENGINE_KINDS}[name]
+                     "device": DEVICES, "dtype": DTYPES, "engine_kind": ENGINE_KINDS,
+                     "release_memory": tuple(RELEASE_MEMORY)}[name]
             if getattr(self, name) not in valid:
                 raise SettingsError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(valid)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -122,6 +127,11 @@ class TrainerSettings:
             raise SettingsError(f"sync_bucket_mb={self.sync_bucket_mb}: use a positive bucket size, e.g. 256")
         if self.save_every < 0 or self.steps < 0 or self.keep_checkpoints < 0:
             raise SettingsError("steps, save_every and keep_checkpoints must be 0 or positive")
+        if self.release_memory != "none" and (self.sync_mode == "none" or not self.gateway):
+            raise SettingsError(
+                f"release_memory={self.release_memory} pauses generation through the gateway and takes the engines' "
+                "memory back before pushing the new weights: it needs --gateway and a --sync-mode other than none"
+            )
         if self.sync_mode != "none" and not (self.gateway or self.engine_urls):
             raise SettingsError(
                 f"sync_mode={self.sync_mode} needs somewhere to push weights: give --gateway URL (engines are asked "

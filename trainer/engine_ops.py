@@ -70,6 +70,12 @@ class EngineOps(Protocol):
     def set_version(self, version: int) -> None:
         """Keep the weights; later tokens carry ``version`` (``POST /update_weight_version``, a skipped step)."""
 
+    def release_memory(self, tags: list[str]) -> None:
+        """Give the GPU memory of ``tags`` (kv_cache, weights, cuda_graph) back while the trainer runs."""
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Take the memory of ``tags`` again (before the weight push and the resume of generation)."""
+
 
 class SGLangOps:
     kind = "sglang"
@@ -101,6 +107,13 @@ class SGLangOps:
         post(self.client, f"{self.url}/update_weight_version",
              {"new_version": str(version), "abort_all_requests": False})
 
+    def release_memory(self, tags: list[str]) -> None:
+        # SGLang 0.5.19 ReleaseMemoryOccupationReqInput; the server must be idle (the gateway's abort pause)
+        post(self.client, f"{self.url}/release_memory_occupation", {"tags": list(tags)}, timeout=600.0)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        post(self.client, f"{self.url}/resume_memory_occupation", {"tags": list(tags)}, timeout=600.0)
+
 
 class VLLMOps:
     kind = "vllm"
@@ -127,6 +140,13 @@ class VLLMOps:
 
     def set_version(self, version: int) -> None:
         post(self.client, f"{self.url}/update_weight_version", {"new_version": str(version)})
+
+    def release_memory(self, tags: list[str]) -> None:
+        raise EngineOpsError(f"{self.url}: releasing a vLLM engine's memory (its /sleep and /wake_up) is not wired; "
+                             "use --release-memory none with vLLM engines")
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.release_memory(tags)
 
 
 def probe_kind(client: httpx.Client, url: str) -> str:

@@ -28,12 +28,12 @@ import torch
 from agentrl.trajectory import decode_batch
 from trainer import checkpoint
 from agentrl.settings import SettingsError
-from trainer.config import TrainerSettings
+from trainer.config import RELEASE_MEMORY, TrainerSettings
 from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, describe_batch, drop_duplicates
 from trainer.model import DistInfo, build_optimizer, init_distributed, load_model
 from trainer.step import train_step
 from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, TensorSync,
-                                 broadcast_object, push_weights, relabel_version)
+                                 broadcast_object, engines_released, push_weights, relabel_version)
 
 log = logging.getLogger("trainer")
 
@@ -99,7 +99,10 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
                 relabel_version(state.version + 1, info=info, control=control, client=http,
                                 engine_kind=settings.engine_kind)
         else:
-            metrics = train_step(model, optimizer, rows, settings, info, version=state.version)
+            with engines_released(RELEASE_MEMORY[settings.release_memory], state.version, info=info,
+                                  control=control, client=http, engine_kind=settings.engine_kind) as released:
+                metrics = train_step(model, optimizer, rows, settings, info, version=state.version)
+            metrics.update(released)
             if transport is not None:
                 pushed = push_weights(model, state.version + 1, info=info, transport=transport, control=control,
                                       retries=settings.sync_retries)

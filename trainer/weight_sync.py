@@ -35,6 +35,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -579,6 +580,70 @@ def relabel_version(version: int, *, info: DistInfo, control: Control, client: h
     for url in control.engines():
         _call(ops(url).set_version, version)
     control.resume(version)
+
+
+@contextmanager
+def engines_released(tags: list[str], version: int, *, info: DistInfo, control: Control | None,
+                     client: httpx.Client, engine_kind: str = "auto") -> Iterator[dict[str, float]]:
+    """Collective: around a train step, pause generation and ask every engine to free the memory of ``tags``
+    (SGLang's ``/release_memory_occupation``: the KV cache, the weights), so that the trainer has the GPU; on
+    exit take it back (``/resume_memory_occupation``), generation still paused until the weight push resumes
+    it. If the step fails, generation resumes on ``version`` (the served weights). Yields the timings
+    (``engine/release_s``, ``engine/resume_memory_s``), filled on rank 0. No tags: does nothing."""
+    timings: dict[str, float] = {}
+    if not tags or control is None:
+        yield timings
+        return
+    ops = EngineSet(client, engine_kind)
+    engines: list[str] = []
+    error: str | None = None
+    if info.is_main:
+        started = time.perf_counter()
+        try:
+            engines = control.engines()
+            control.pause()
+            for url in engines:
+                _call(ops(url).release_memory, tags)
+        except WeightSyncError as exc:
+            error = f"cannot release the engines' memory {tags}: {exc}"
+            _resume_memory(ops, engines, tags)
+            _resume_quietly(control, version)
+        timings["engine/release_s"] = time.perf_counter() - started
+    error = broadcast_object(error, info)
+    if error:
+        raise WeightSyncError(error)
+    failed = True
+    try:
+        yield timings
+        failed = False
+    finally:
+        if info.is_main:
+            started = time.perf_counter()
+            error = _resume_memory(ops, engines, tags)
+            timings["engine/resume_memory_s"] = time.perf_counter() - started
+            if failed or error:
+                _resume_quietly(control, version)
+        error = broadcast_object(error, info)
+    if error:
+        raise WeightSyncError(f"cannot take the engines' memory back: {error}")
+
+
+def _resume_memory(ops: EngineSet, engines: list[str], tags: list[str]) -> str | None:
+    """Every engine, even after one fails; the first error or None."""
+    errors = []
+    for url in engines:
+        try:
+            _call(ops(url).resume_memory, tags)
+        except WeightSyncError as exc:
+            errors.append(str(exc))
+    return errors[0] if errors else None
+
+
+def _resume_quietly(control: Control, version: int) -> None:
+    try:
+        control.resume(version)
+    except WeightSyncError as exc:
+        log.error("could not resume generation on version %d: %s", version, exc)
 
 
 def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo,

@@ -305,6 +305,24 @@ def test_trainer_direct_pause_and_continue_speak_sglang():
     assert flush.called and json.loads(cont.calls.last.request.content) == {}
 
 
+def test_trainer_memory_release_speaks_sglang():
+    from trainer.engine_ops import EngineOpsError, SGLangOps
+
+    with httpx.Client() as http, respx.mock:
+        release = respx.post(f"{BASE}/release_memory_occupation").mock(
+            return_value=response_of(fixture("release_memory_occupation_ok")))
+        resume = respx.post(f"{BASE}/resume_memory_occupation").mock(
+            return_value=response_of(fixture("resume_memory_occupation_ok")))
+        ops = SGLangOps(http, BASE)
+        ops.release_memory(["kv_cache"])  # a null body is success
+        ops.resume_memory(["kv_cache"])
+        assert json.loads(release.calls.last.request.content) == fixture("release_memory_occupation_ok")["request"]
+        assert json.loads(resume.calls.last.request.content) == fixture("resume_memory_occupation_ok")["request"]
+        release.mock(return_value=response_of(fixture("release_memory_occupation_fail")))
+        with pytest.raises(EngineOpsError, match="only when server is idle"):
+            ops.release_memory(["kv_cache"])
+
+
 # ------------------------------------------------------------------------------------------------------
 # 2. the embedded engine's real responses against the fixtures
 # ------------------------------------------------------------------------------------------------------
@@ -533,3 +551,33 @@ def test_engine_stream_error_is_an_event_like_sglang(engine_url):
     events = sse_events(stream.text)
     assert len(events) == 1  # the error, then [DONE]
     assert_same_shape(shape(events[0]), shape(sse_events(fixture("generate_stream_error")["body_text"])[0]))
+
+
+def test_engine_memory_release_responses_match_sglang(engine_url):
+    for name in ("release_memory_occupation_ok", "resume_memory_occupation_ok"):
+        fx = fixture(name)
+        resp = post(engine_url, fx["route"], fx["request"])
+        assert resp.status_code == fx["status"] and resp.json() is None, resp.text
+    # busy: refused with SGLang's error shape (its scheduler asserts; ours answers 400)
+    events: list[str] = []
+    import threading
+
+    def read() -> None:
+        with httpx.stream("POST", engine_url + "/generate", timeout=120, json={
+                "input_ids": [1, 2, 3], "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}) as r:
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fx = fixture("release_memory_occupation_fail")
+        busy = post(engine_url, fx["route"], fx["request"])
+        assert busy.status_code == fx["status"]
+        assert_same_shape(shape(busy.json()), shape(fx["body"]))
+    finally:
+        post(engine_url, "/abort_request", {"abort_all": True})
+        reader.join(60)

@@ -62,6 +62,8 @@ ROUTE_CLASSES = {
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
+    "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
 }
 
 
@@ -130,7 +132,9 @@ def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, 
     import torch
 
     from trainer.model import load_model
-    from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, push_weights, relabel_version
+    from trainer.config import RELEASE_MEMORY
+    from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, engines_released, push_weights,
+                                     relabel_version)
 
     rec = Recorder()
     client = httpx.Client(transport=httpx.MockTransport(rec.handler))
@@ -144,9 +148,13 @@ def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, 
     sync._engines = ["http://sglang"]
     sync.disconnect()
     relabel_version(3, info=dist_info, control=DirectControl(["http://sglang"], client=client), client=client)
+    with engines_released(RELEASE_MEMORY["all"], 3, info=dist_info, client=client, engine_kind="sglang",
+                          control=DirectControl(["http://sglang"], client=client)):
+        pass
     seen = {p for p, _ in rec.bodies}
     assert {"/pause_generation", "/update_weights_from_disk", "/continue_generation",
-            "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version"} <= seen
+            "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version",
+            "/release_memory_occupation", "/resume_memory_occupation"} <= seen
     for path, body in rec.bodies:
         if path in ROUTE_CLASSES:
             obj = check_with_sglang(path, body, tokenizer)
@@ -157,6 +165,9 @@ def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, 
                 assert obj.mode == "retract"
             if path == "/update_weight_version":
                 assert obj.new_version == "3" and obj.abort_all_requests is False
+            if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+                assert obj.tags == ["kv_cache", "weights", "cuda_graph"]
+                assert set(obj.tags) <= set(own_code.constants().GPU_MEMORY_ALL_TYPES)
 
 
 def test_sglang_ignores_unknown_top_level_fields_and_refuses_unknown_sampling_keys() -> None:
@@ -226,3 +237,9 @@ def test_trainer_pushes_real_weights_into_sglangs_own_group(tiny_model_dir, dist
                     for name, (dtype, shape, total) in expected.items():
                         assert loaded[name][:2] == [dtype, shape], name
                         assert loaded[name][2] == pytest.approx(total, rel=1e-6, abs=1e-6), name
+
+
+def test_memory_tags_are_sglangs() -> None:
+    from engine.memory import MEMORY_TAGS
+
+    assert list(MEMORY_TAGS) == own_code.constants().GPU_MEMORY_ALL_TYPES

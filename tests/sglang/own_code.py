@@ -133,6 +133,12 @@ def sampling_params() -> types.ModuleType:
 
 
 @cache
+def constants() -> types.ModuleType:
+    """``srt/constants.py``: the memory tags (``GPU_MEMORY_ALL_TYPES``) of release/resume_memory_occupation."""
+    return _load("sglang.srt.constants", {"sglang.srt.constants": "sglang/srt/constants.py"})
+
+
+@cache
 def tensor_bucket() -> types.ModuleType:
     return _load("sglang.srt.weight_sync.tensor_bucket",
                  {"sglang.srt.weight_sync.tensor_bucket": "sglang/srt/weight_sync/tensor_bucket.py"})

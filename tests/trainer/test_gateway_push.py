@@ -83,3 +83,45 @@ def test_request_in_flight_during_a_push_completes_with_tokens_of_both_versions(
     assert (recorded[switch:] - new[switch:]).abs().max() < 1e-4
     with gw.admin() as admin:
         assert admin.get("/admin/weight_version").json()["weight_version"] == 1
+
+
+@pytest.mark.slow
+def test_colocated_step_frees_the_engine_and_a_request_sent_meanwhile_waits_for_the_new_weights(
+        gateway_factory, tiny_model_dir, dist_info):
+    """--release-memory: the gateway pauses, the engine frees its KV cache and weights for the step; an agent's
+    request sent during the step is held by the gateway (not refused), then served by the pushed weights."""
+    from trainer.weight_sync import TensorSync, engines_released
+
+    gw = gateway_factory()
+    model = load_model(tiny_model_dir)
+    session = gw.create_session(group_id="colocated")
+    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0, timeout=300)
+    http = httpx.Client(timeout=120)
+    control = GatewayControl(gw.base_url, gw.admin_key, client=http)
+    result: dict = {}
+
+    def agent() -> None:
+        result["reply"] = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=1.0)
+
+    with engines_released(["kv_cache", "weights"], 0, info=dist_info, control=control, client=http) as timings:
+        (engine,) = control.engines()
+        state = http.get(f"{engine}/get_server_info").json()["internal_states"][0]
+        assert state["memory_released"] == ["kv_cache", "weights"]
+        thread = threading.Thread(target=agent)
+        thread.start()
+        time.sleep(1.0)
+        assert "reply" not in result  # held by the paused gateway
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    assert timings["engine/release_s"] > 0 and timings["engine/resume_memory_s"] > 0
+    push_weights(model, 1, info=dist_info, transport=TensorSync(client=http), control=control)
+    thread.join(timeout=240)
+    assert not thread.is_alive() and result["reply"].choices[0].finish_reason in ("stop", "length")
+    (turn,) = asyncio.run(_turns(gw.db, session["session_id"]))
+    assert set(turn.output_versions) == {1}
+    recorded = torch.tensor(turn.output_logprobs)
+    new = trainer_logprobs(model, list(turn.prompt_ids), list(turn.output_ids))
+    assert (recorded - new).abs().max() < 1e-4

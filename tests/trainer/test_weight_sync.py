@@ -156,3 +156,41 @@ def test_tensor_sync_speaks_sglangs_update_weights_from_tensor(model, dist_info)
         with pytest.raises(WeightSyncError, match="shape mismatch"):
             sync.send([base], 5, staged, [], flush_cache=True)
         sync.committed(staged)
+
+
+@pytest.mark.parametrize("tags", [["kv_cache"], ["kv_cache", "weights", "cuda_graph"]])
+def test_engines_release_memory_during_the_step_and_take_it_back_before_the_push(tags, model, trainer_engine,
+                                                                                 dist_info):
+    from trainer.weight_sync import engines_released
+
+    client = httpx.Client(timeout=120)
+    control = DirectControl([trainer_engine], client=client)
+    with engines_released(tags, 0, info=dist_info, control=control, client=client, engine_kind="sglang") as timings:
+        info = httpx.get(f"{trainer_engine}/get_server_info", timeout=10).json()["internal_states"][0]
+        assert info["memory_released"] == sorted(tags)
+        refused = httpx.post(f"{trainer_engine}/generate", json={"input_ids": PROMPT}, timeout=30)
+        assert refused.status_code == 503
+        _train_a_step(model, dist_info, seed=11)
+    assert set(timings) == {"engine/release_s", "engine/resume_memory_s"}
+    info = httpx.get(f"{trainer_engine}/get_server_info", timeout=10).json()["internal_states"][0]
+    assert info["memory_released"] == [] and info["paused"] is not None  # still paused for the push
+    push_weights(model, 1, info=dist_info, transport=TensorSync(client=client), control=control)
+    _assert_engine_serves(model, trainer_engine, 1)
+
+
+def test_a_failed_step_gives_the_engines_memory_and_generation_back(trainer_engine, dist_info):
+    from trainer.weight_sync import engines_released
+
+    client = httpx.Client(timeout=120)
+    control = DirectControl([trainer_engine], client=client)
+    with pytest.raises(RuntimeError, match="step failed"):
+        with engines_released(["kv_cache"], 0, info=dist_info, control=control, client=client):
+            raise RuntimeError("step failed")
+    info = httpx.get(f"{trainer_engine}/get_server_info", timeout=10).json()["internal_states"][0]
+    assert info["memory_released"] == [] and info["paused"] is None
+    assert engine_generate(trainer_engine, PROMPT, 3)["version"] == 0
+    # an engine that cannot release (unknown tag on its side) fails the step before it starts, generating
+    with pytest.raises(WeightSyncError, match="cannot release"):
+        with engines_released(["not_a_tag"], 0, info=dist_info, control=control, client=client):
+            pytest.fail("the step must not run")
+    assert httpx.get(f"{trainer_engine}/get_server_info", timeout=10).json()["internal_states"][0]["paused"] is None
