@@ -22,7 +22,6 @@ one uninterrupted generation whose tokens carry the weight version of the segmen
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from gateway import jsonio
 from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, GatewayError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -173,6 +173,7 @@ def _error_message(resp: httpx.Response) -> str:
     return str(body)[:500]
 
 
+_JSON = {"content-type": "application/json"}
 SSE_DONE = object()  # what :func:`sse_json` yields for the stream's ``data: [DONE]`` line
 
 
@@ -187,7 +188,7 @@ async def sse_json(resp: httpx.Response, malformed: str) -> AsyncIterator[Any]:
             yield SSE_DONE
             return
         try:
-            yield json.loads(data)
+            yield jsonio.loads(data)
         except ValueError as exc:
             raise EngineError(malformed) from exc
 
@@ -224,7 +225,7 @@ class EngineClient:
 
     async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> httpx.Response:
         try:
-            resp = await self.http.post(self.base_url + path, json=body,
+            resp = await self.http.post(self.base_url + path, content=jsonio.dumps(body), headers=_JSON,
                                         timeout=self.timeout if timeout is None else timeout)
         except httpx.HTTPError as exc:
             raise self._translate(exc) from exc
@@ -253,7 +254,11 @@ class EngineClient:
 
     async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
         resp = await self._post("/generate", self._body(input_ids, params, max_new_tokens, False))
-        return parse_output(resp.json())
+        try:
+            body = jsonio.loads(resp.content)
+        except ValueError as exc:
+            raise EngineError(f"engine {self.base_url} answered /generate with a body that is not JSON") from exc
+        return parse_output(body)
 
     async def generate_stream(
         self, input_ids: list[int], params: SamplingParams, max_new_tokens: int

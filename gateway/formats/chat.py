@@ -9,7 +9,6 @@ is sent as an OpenAI error body, then ``[DONE]``.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,16 +17,13 @@ from typing import Any
 from gateway.decoding import ChoiceResult, StreamDelta, logprobs_json
 from gateway.engine_client import Generation
 from gateway.errors import GatewayError, error_body
+from gateway.jsonio import dumps
 from gateway.service import ChoiceRun, TurnEvent, TurnPlan
 from gateway.wire import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("agentrl.gateway.formats.chat")
 
 Piece = dict[str, Any]
-
-
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def _usage(plan: TurnPlan, runs: list[ChoiceRun]) -> dict[str, int]:
@@ -64,7 +60,7 @@ async def _chunks(plan: TurnPlan, runs: list[ChoiceRun], events: AsyncIterator[T
     except GatewayError as exc:
         _, body = error_body(exc)
         log.warning("stream ended with an error, nothing recorded: %s", exc.message)
-        yield b"data: " + _dumps(body) + b"\n\n"
+        yield b"data: " + dumps(body) + b"\n\n"
         yield b"data: [DONE]\n\n"
     finally:
         aclose = getattr(events, "aclose", None)
@@ -80,7 +76,7 @@ def _chunker(obj: str, first_id: str, model: str, include_usage: bool, extra: Pi
                        "choices": choices}
         if include_usage:
             body["usage"] = usage if last else None
-        return b"data: " + _dumps(body) + b"\n\n"
+        return b"data: " + dumps(body) + b"\n\n"
     return chunk
 
 

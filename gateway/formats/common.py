@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from typing import Any
 
+from gateway import jsonio
 from gateway.binding import Caller, load_session, may_access_session
 from gateway.errors import InvalidRequest, NotFound, from_store_error
 from gateway.store import Interaction, Store
@@ -20,7 +20,7 @@ def hex_id(prefix: str) -> str:
 
 
 def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return jsonio.dumps_str(value)
 
 
 def sse(event: str, data: Any) -> bytes:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from gateway import jsonio
 from gateway.binding import Caller, authenticate
 from gateway.context import services
 from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, from_validation_error
@@ -17,17 +17,12 @@ from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, from
 M = TypeVar("M", bound=BaseModel)
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of streams
 
 
 def json_response(body: object) -> Response:
     """A compact UTF-8 JSON answer (the generation routes' bodies carry long token lists and text)."""
-    return Response(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode(),
-                    media_type="application/json")
+    return Response(jsonio.dumps(body), media_type="application/json")
 
 
 BODY_SCHEMAS: dict[str, Any] = {}  # JSON Schemas that request bodies refer to (``components.schemas``)
@@ -68,7 +63,7 @@ async def read_json(request: Request, model: type[M], *, allow_empty: bool = Fal
         data: Any = {}
     else:
         try:
-            data = json.loads(raw, parse_constant=_no_constants)
+            data = jsonio.loads(raw)
         except UnicodeDecodeError as exc:
             raise InvalidRequest("request body is not UTF-8 JSON", code="invalid_json") from exc
         except ValueError as exc:

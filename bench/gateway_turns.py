@@ -1,0 +1,245 @@
+"""Where a gateway turn's time goes: `wrk` against one recording gateway, optionally under py-spy.
+
+Starts `gateway.standin` (an instant SGLang-native upstream) and `agentrl gateway` (SQLite, implicit mode
+with an agent key, every turn recorded), then measures with `wrk` (one thread, a C load generator that
+costs little next to the servers) for each scenario and concurrency, `--runs` times, and prints medians:
+
+- `upstream`: the stand-in's `/generate` directly (the floor "added" latency is measured against);
+- `turn 1`: a single-turn chat request (each one a new implicit episode: a root turn);
+- `turn 2`, `turn 20`: the last turn of a growing 20-turn conversation (the history is recorded once
+  first, so every request is a child turn of turn 1 / turn 19: a sibling under the same parent).
+
+    python bench/gateway_turns.py [--runs 3] [--duration 8] [--concurrency 1,32] [--profile OUT]
+
+`--profile OUT` also samples the gateway process with py-spy (`py-spy record --pid`, raw collapsed
+stacks) during one extra `turn 20` run at concurrency 1 (or `--profile-scenario`), and prints the share of
+samples per phase of a turn (the classification is `PHASES` below; the raw stacks are kept in OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from agentrl.procs import Processes  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+
+ADMIN, AGENT = "bench-admin", "bench-agent"
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely."}
+REPLY = "Hello! How can I help you today?"  # the stand-in's reply (gateway.standin.DEFAULT_REPLY)
+
+
+def user(k: int) -> dict[str, str]:
+    return {"role": "user", "content": f"Question number {k}: what is {k} plus {k * 3}, and why does it matter?"}
+
+
+def conversation(turn: int) -> list[dict[str, str]]:
+    """The messages of turn ``turn`` (1-based) of the growing conversation."""
+    messages = [SYSTEM, user(1)]
+    for k in range(2, turn + 1):
+        messages += [{"role": "assistant", "content": REPLY}, user(k)]
+    return messages
+
+
+def chat_body(turn: int) -> dict[str, object]:
+    return {"model": "standin", "messages": conversation(turn), "max_tokens": 64}
+
+
+def lua(body: dict[str, object], auth: str | None) -> str:
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(body))}",
+             'wrk.headers["Content-Type"] = "application/json"']
+    if auth:
+        lines.append(f'wrk.headers["Authorization"] = "Bearer {auth}"')
+    return "\n".join(lines) + "\n"
+
+
+def wrk(url: str, script: Path, concurrency: int, duration: float) -> dict[str, float]:
+    out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{duration:g}s", "--latency", "-s", str(script),
+                          url], check=True, capture_output=True, text=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)\b", out)
+    scale = {"us": 0.001, "ms": 1.0, "s": 1000.0}[p50.group(2)]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    sock = re.search(r"Socket errors: (.*)", out)
+    if errors or sock:
+        print(f"  wrk reported errors: {errors.group(0) if errors else ''} {sock.group(0) if sock else ''}",
+              file=sys.stderr)
+    return {"rps": rps, "p50": float(p50.group(1)) * scale}
+
+
+# A sample belongs to the first phase (outermost frame first) whose marker (a substring of
+# "function (file:line)") one of its frames holds; the HTTP tier is tried only when no other phase matched
+# (every request runs inside uvicorn's and Starlette's frames); samples matching nothing are "other".
+PHASES: list[tuple[str, tuple[str, ...]]] = [
+    ("lifecycle tick (background loop)", ("TrajectoryService", "gateway/lifecycle.py")),
+    ("drift check", ("drift (gateway/chat/template.py",)),
+    ("render + tokenize", ("gateway/chat/template.py",)),
+    ("engine call (httpx client, upstream answer)", ("EngineRouter.generate", "gateway/engine_client.py")),
+    ("recording / SQL writes", ("_record (gateway/service.py", "GroupCommitWriter", "create_session",
+                                "_connection_worker_thread", "record_interactions")),
+    ("validation", ("validate_messages", "_refuse_surely_too_long", "model_validate", "refuse_unenforced",
+                    "_params_json", "_sampling (gateway/service.py", "_choices (gateway/service.py")),
+    ("plan / stitch (hashes, session, parent: SQL reads)", ("plan_chat", "_stitch", "find_parent", "chain_hashes",
+                                                            "session_for", "authenticate", "admission",
+                                                            "get_session")),
+    ("response encoding", ("json_response", "chat_response", "chat_chunks", "gateway/formats/")),
+]
+HTTP_TIER = ("HTTP + JSON parse (uvicorn, Starlette/FastAPI, middleware)",
+             ("httptools_impl", "h11_impl", "starlette/", "fastapi/", "read_json", "read_body", "metrics.py"))
+# Frames of a thread waiting for work (py-spy counts a wait with a timeout as active): the event loop in
+# epoll, a thread pool's or aiosqlite's worker waiting on its queue.
+IDLE = ("epoll_pwait", "uv__io_poll (linux.c:1452)", "_worker (concurrent/futures/thread.py:81)",
+        "_connection_worker_thread (aiosqlite/core.py:59)")
+
+
+def classify(stack: str) -> str | None:
+    """The phase of one sample, or None for an idle one (a thread waiting for work, the loop in epoll)."""
+    frames = stack.split(";")
+    if any(idle in frame for frame in frames for idle in IDLE):
+        return None
+    for tier in (PHASES, [HTTP_TIER]):
+        for frame in frames:
+            for phase, markers in tier:
+                if any(m in frame for m in markers):
+                    return phase
+    if "Handle__run" in frames[-1]:
+        return "event loop callbacks (Python frames not resolved)"
+    return "other"
+
+
+def shares_of(raw: Path) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        phase = classify(stack) if stack else None
+        counts[phase or "idle"] += int(n)
+    return counts
+
+
+def profile(pid: int, out: Path, seconds: float, run: callable) -> Counter[str]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw", "-o", str(out), "--rate", "250",
+                             "--duration", str(int(seconds) + 2)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.5)
+    run()
+    log = proc.communicate()[0]
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"py-spy failed ({proc.returncode}): {log[-2000:]}")
+    return shares_of(out)
+
+
+def print_shares(shares: Counter[str], what: str) -> None:
+    idle = shares.pop("idle", 0)
+    total = sum(shares.values())
+    print(f"\npy-spy samples of {what}: {total} busy samples of all threads ({idle} idle ones left out)")
+    for phase, n in shares.most_common():
+        print(f"  {phase:55s} {100.0 * n / total:5.1f} %")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="wrk runs per scenario and concurrency (0: profile only)")
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per wrk run")
+    parser.add_argument("--concurrency", default="1,32")
+    parser.add_argument("--scenarios", default="upstream,turn 1,turn 2,turn 20")
+    parser.add_argument("--profile", default=None, help="write py-spy raw stacks here and print phase shares")
+    parser.add_argument("--profile-scenario", default="turn 20")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, database)")
+    parser.add_argument("--shares", default=None, help="only print the phase shares of an existing raw profile")
+    args = parser.parse_args()
+    if args.shares:
+        print_shares(shares_of(Path(args.shares)), f"the profile {args.shares}")
+        return 0
+    levels = [int(c) for c in args.concurrency.split(",")]
+    scenarios = [s.strip() for s in args.scenarios.split(",")]
+    from engine.models import tiny_dir
+
+    work = Path(tempfile.mkdtemp(prefix="agentrl-bench-turns-"))
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    with Processes(work / "logs") as procs:
+        up_port, gw_port = free_port(), free_port()
+        upstream, gateway = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
+        child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
+                                        "--tokenizer", str(tiny_dir()), "--reply", REPLY])
+        procs.wait_healthy(child, upstream + "/health", timeout_s=120)
+        gw = procs.start_agentrl("gateway", ["gateway", "--engine-url", upstream, "--db",
+                                             f"sqlite+aiosqlite:///{work}/bench.db", "--port", str(gw_port),
+                                             "--admin-key", ADMIN, "--agent-key", AGENT, "--log-level", "warning"])
+        procs.wait_healthy(gw, gateway + "/health", timeout_s=180)
+        with httpx.Client(base_url=gateway, headers={"Authorization": f"Bearer {AGENT}"}, timeout=60) as client:
+            for turn in range(1, 20):  # record the conversation once: turn 2 and turn 20 are child turns
+                resp = client.post("/v1/chat/completions", json=chat_body(turn))
+                resp.raise_for_status()
+                assert resp.json()["choices"][0]["message"]["content"] == REPLY
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tiny_dir()))
+        prompt = tok.apply_chat_template(conversation(1), add_generation_prompt=True, tokenize=True)
+        prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
+        targets = {
+            "upstream": (upstream + "/generate", {"input_ids": list(prompt), "return_logprob": True,
+                                                  "sampling_params": {"max_new_tokens": 64}}, None),
+            "turn 1": (gateway + "/v1/chat/completions", chat_body(1), AGENT),
+            "turn 2": (gateway + "/v1/chat/completions", chat_body(2), AGENT),
+            "turn 20": (gateway + "/v1/chat/completions", chat_body(20), AGENT),
+        }
+        scripts = {}
+        for name, (url, body, auth) in targets.items():
+            scripts[name] = work / (name.replace(" ", "_") + ".lua")
+            scripts[name].write_text(lua(body, auth))
+        for name in scenarios:  # warm-up
+            wrk(targets[name][0], scripts[name], 4, 2)
+        for run in range(args.runs):
+            for c in levels:
+                for name in scenarios:
+                    results.setdefault((name, c), []).append(wrk(targets[name][0], scripts[name], c, args.duration))
+        shares: Counter[str] | None = None
+        if args.profile:
+            name = args.profile_scenario
+            shares = profile(gw.proc.pid, Path(args.profile), args.duration,
+                             lambda: wrk(targets[name][0], scripts[name], levels[0], args.duration))
+        procs.check_alive()
+
+    load = os.getloadavg()
+    print(f"\ngateway turns over an instant upstream: {os.cpu_count()} cores, load {load[0]:.2f}/{load[1]:.2f}, "
+          f"wrk -t1 -d{args.duration:g}s, median of {args.runs} runs")
+    print(f"{'scenario':10s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'added p50':>10s}")
+    for c in levels if args.runs else []:
+        base = statistics.median(r["p50"] for r in results.get(("upstream", c), [{"p50": 0.0}]))
+        for name in scenarios:
+            rs = results[(name, c)]
+            rps, p50 = statistics.median(r["rps"] for r in rs), statistics.median(r["p50"] for r in rs)
+            added = f"{p50 - base:10.2f}" if name != "upstream" else f"{'':10s}"
+            print(f"{name:10s} {c:4d} {rps:8.1f} {p50:8.2f} {added}")
+        if ("turn 1", c) in results and ("turn 20", c) in results:
+            t1 = statistics.median(r["p50"] for r in results[("turn 1", c)])
+            t2 = statistics.median(r["p50"] for r in results[("turn 2", c)]) if ("turn 2", c) in results else None
+            t20 = statistics.median(r["p50"] for r in results[("turn 20", c)])
+            print(f"concurrency {c}: turn-20 p50 / turn-1 p50 = {t20 / t1:.2f}x"
+                  + (f", / turn-2 p50 = {t20 / t2:.2f}x" if t2 else ""))
+    if shares:
+        print_shares(shares, f"the gateway during {args.profile_scenario} at concurrency {levels[0]} "
+                             f"(raw stacks in {args.profile})")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
