@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from trainer.engine_ops import EngineOpsError, SGLangOps, VLLMOps, engine_ops, post
 from trainer.model import DistInfo, iter_full_tensors, served_dtype, tied_duplicates
+from trainer.safetensors_io import HostBuffer, save_file_fast
 
 log = logging.getLogger(__name__)
 
@@ -210,18 +211,18 @@ def with_tied_copies(tensors: Iterable[tuple[str, torch.Tensor]],
             yield name, kept.clone()  # safetensors refuses two names sharing one storage
 
 
-def save_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: Any, target: Path, source_dir: Path | None) -> Path:
+def save_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: Any, target: Path, source_dir: Path | None,
+                *, buffer: HostBuffer | None = None) -> Path:
     """Write an HF model directory (model.safetensors, config.json with ``architectures``,
     generation_config.json, tokenizer files) atomically. ``tensors`` come from ``iter_full_tensors``, which
-    leaves out tied duplicates (``lm_head.weight``): the standard tied save, which SGLang's loaders expect."""
-    from safetensors.torch import save_file
-
+    leaves out tied duplicates (``lm_head.weight``): the standard tied save, which SGLang's loaders expect.
+    They may be on a GPU: :func:`trainer.safetensors_io.save_file_fast` copies them into one (pinned, reused
+    with ``buffer``) host buffer and writes it from several threads."""
     target = Path(target)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {name: t.contiguous() for name, t in tensors}
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file_fast(tensors, tmp / "model.safetensors", metadata={"format": "pt"}, buffer=buffer)
     if not getattr(config, "architectures", None):  # vLLM and SGLang pick the model class by it
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -256,15 +257,16 @@ class DiskSync:
         self.served_path: Path = Path(self.source_dir)
         self.ops = EngineSet(self.client, self.engine_kind)
         self._engines: list[str] = []
+        self._host = HostBuffer()  # pinned on a GPU; reused by every push
 
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> Path | None:
-        """Collective: gather the weights; rank 0 writes ``sync_dir/v<version>``."""
+        """Collective: gather the weights (cast on the device); rank 0 writes ``sync_dir/v<version>``."""
         path = self.sync_dir / f"v{version}"
-        tensors = iter_full_tensors(model, to_cpu=True, dtype=served_dtype(model))
+        tensors = iter_full_tensors(model, dtype=served_dtype(model))
         if info.is_main:
             if self._needs_tied_copies():
                 tensors = with_tied_copies(tensors, model)
-            save_hf_dir(tensors, model.config, path, self.source_dir)
+            save_hf_dir(tensors, model.config, path, self.source_dir, buffer=self._host)
             return path
         for _ in tensors:  # take part in every gather
             pass
