@@ -1,31 +1,44 @@
-"""Gateway overhead: our recording gateway vs LiteLLM's proxy, over stand-in upstreams that answer instantly.
+"""Gateway overhead: our recording gateway vs LiteLLM's proxy over one instant stand-in upstream, loaded by wrk.
 
-In one run, for each concurrency (default 1, 8, 32):
+In ONE run, for every scenario x concurrency (default 1, 8, 32, 128), each target in turn (interleaved, so
+that the machine's changing load hits every target alike):
 
-- **ours**: `agentrl gateway` (one process, SQLite, recording every turn: session lookup, parent lookup,
-  chat template, token ids + logprobs committed before the response) over `gateway.standin`, a
-  SGLang-native upstream that returns a fixed completion at once;
-- **LiteLLM**: `litellm --config ...` (one worker) over the same stand-in's OpenAI-compatible route
-  (`/v1/chat/completions`). If LiteLLM is not installed, a plain httpx pass-through proxy (this file,
-  `--serve-passthrough`) is measured instead and labelled so.
+- scenarios: **single** (one-turn conversations), **session** (each connection runs 20-turn sessions whose
+  history grows: turn k sends the k-1 earlier exchanges), each non-streamed and streamed;
+- targets: the stand-in upstream called directly (its native ``/generate``, what our gateway calls, and its
+  OpenAI route, what LiteLLM calls: the baselines of "added latency"); **ours** recording every turn in
+  implicit mode (agent key) on SQLite, on PostgreSQL + Redis, and on PostgreSQL + Redis with
+  ``--workers 2``; **LiteLLM**'s proxy (one worker) over the stand-in's OpenAI route.
 
-Added latency = the proxy's latency percentile minus the same percentile of calling the upstream
-directly at the same concurrency. The load generator, upstream and proxies share this machine's cores,
-so absolute numbers depend on load; the ratio in the same run is the figure to read.
+The load generator is ``wrk`` (C, one event loop per thread; ``bench/wrk/chat.lua`` builds the bodies and
+times each turn), so the client costs little of the machine's cores. Added latency = a proxy's p50 minus
+the p50 of calling the upstream directly at the same concurrency. The machine (cores, model) and its load
+(``/proc/loadavg`` before every block) are printed and saved: the cores are shared with other jobs, so
+absolute numbers move; the ratios within one run are the figures to read.
 
-    python bench/gateway.py [--requests 400] [--concurrency 1,8,32] [--litellm PATH]
+    python bench/gateway.py [--duration 5] [--concurrency 1,8,32,128] [--targets ours-sqlite,litellm,...]
+
+Writes ``docs/bench/gateway.json`` and ``docs/bench/gateway.png`` (``--out DIR``). LiteLLM comes from
+``.venv-bench/bin/litellm`` (``pip install '.[bench]'`` into a separate venv), ``$AGENTRL_BENCH_LITELLM`` or
+``PATH``; without it the LiteLLM rows are left out and said so.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import platform
 import shutil
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,43 +52,80 @@ from tests.conftest import free_port  # noqa: E402
 
 ADMIN, AGENT = "bench-admin", "bench-agent"
 PEER_KEY = "sk-bench-" + "5f3a9c" * 6  # LiteLLM refuses to start without a master key
+WRK_SCRIPT = REPO / "bench" / "wrk" / "chat.lua"
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Say hello in one short sentence."}]
+PG_ADMIN = os.environ.get("AGENTRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("AGENTRL_TEST_REDIS", "redis://127.0.0.1:6379/0")
+SCENARIOS = ("single", "single-stream", "session", "session-stream")
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+# ------------------------------------------------------------------------------------------ wrk
+
+def wrk_argv(url: str, *, concurrency: int, duration_s: float, mode: str, turns: int, stream: bool, key: str,
+             tag: str, body_file: Path | None = None, timeout_s: float = 60.0) -> list[str]:
+    """The wrk command line. Session mode needs one connection per thread (the script's state is per thread)."""
+    threads = concurrency if mode == "session" else min(concurrency, 2)
+    argv = ["wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{duration_s:g}s", "--timeout",
+            f"{timeout_s:g}s", "-s", str(WRK_SCRIPT), url, "--", mode, str(turns), "1" if stream else "0", key, tag]
+    if body_file is not None:
+        argv.append(str(body_file))
+    return argv
 
 
-async def load(url: str, make_body: Any, headers_for: Any, total: int, concurrency: int) -> dict[str, float]:
-    """Send ``total`` POSTs with ``concurrency`` workers; latencies in ms, requests/s over the wall time."""
-    latencies: list[float] = []
-    errors = 0
-    counter = iter(range(total))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-        async def worker(slot: int) -> None:
-            nonlocal errors
-            for _ in counter:
-                start = time.perf_counter()
-                resp = await client.post(url, json=make_body(), headers=headers_for(slot))
-                latencies.append((time.perf_counter() - start) * 1000)
-                if resp.status_code != 200:
-                    errors += 1
-                    if errors == 1:
-                        print(f"  error {resp.status_code}: {resp.text[:200]}", file=sys.stderr)
-
-        wall = time.perf_counter()
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        wall = time.perf_counter() - wall
-    return {"rps": len(latencies) / wall, "p50": percentile(latencies, 0.5), "p99": percentile(latencies, 0.99),
-            "errors": float(errors)}
+def parse_wrk(output: str) -> dict[str, Any]:
+    """The ``WRKJSON {...}`` line that ``chat.lua`` prints, with requests/s, ms figures and an error total."""
+    for line in output.splitlines():
+        if line.startswith("WRKJSON "):
+            raw = json.loads(line[len("WRKJSON "):])
+            break
+    else:
+        raise ValueError(f"no WRKJSON line in wrk's output:\n{output[-2000:]}")
+    errors = sum(raw[k] for k in ("connect_errors", "read_errors", "write_errors", "timeouts", "non200"))
+    seconds = raw["duration_us"] / 1e6
+    return {
+        "requests": raw["requests"], "seconds": seconds, "rps": raw["requests"] / seconds if seconds else 0.0,
+        "p50_ms": raw["p50_us"] / 1e3, "p90_ms": raw["p90_us"] / 1e3, "p99_ms": raw["p99_us"] / 1e3,
+        "mean_ms": raw["mean_us"] / 1e3, "max_ms": raw["max_us"] / 1e3, "errors": errors,
+        "turn_p50_ms": [None if v is None else v / 1e3 for v in raw["turn_p50_us"]], "turn_n": raw["turn_n"],
+    }
 
 
-def run_load(url: str, make_body: Any, headers_for: Any, total: int, concurrency: int) -> dict[str, float]:
-    asyncio.run(load(url, make_body, headers_for, min(20, total), concurrency))  # warm-up
-    return asyncio.run(load(url, make_body, headers_for, total, concurrency))
+def run_wrk(argv: list[str], timeout_s: float) -> dict[str, Any]:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr[-2000:]}")
+    return parse_wrk(done.stdout)
+
+
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cores": os.cpu_count(), "cpu": model, "kernel": platform.release(), "python": platform.python_version(),
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+
+# ------------------------------------------------------------------------------------------ targets
+
+@dataclass
+class Target:
+    name: str  # ours-sqlite, ours-pg, ours-pg-w2, litellm, upstream-native, upstream-openai
+    url: str  # the POST URL
+    key: str
+    kind: str  # ours | peer | upstream
+    scenarios: tuple[str, ...] = SCENARIOS
+    db: str | None = None
+    pid: int = 0
+    body_file: Path | None = None  # raw mode for single-turn scenarios (None: the chat body)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def find_litellm(explicit: str | None) -> str | None:
@@ -86,128 +136,294 @@ def find_litellm(explicit: str | None) -> str | None:
     return None
 
 
-def serve_passthrough(port: int, upstream: str) -> None:
-    """A plain httpx pass-through proxy (the fallback baseline when LiteLLM is unavailable)."""
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import Response
-    from starlette.routing import Route
+@contextmanager
+def pg_database(tag: str) -> Iterator[str]:
+    """A fresh PostgreSQL database for one gateway, dropped at the end."""
+    import asyncpg
 
-    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000), timeout=60)
+    name = f"agentrl_bench_{tag}_{uuid.uuid4().hex[:8]}"
 
-    async def forward(request: Request) -> Response:
-        resp = await client.post(upstream + "/v1/chat/completions", content=await request.body(),
-                                 headers={"content-type": "application/json"})
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+    async def admin(sql: str) -> None:
+        conn = await asyncpg.connect(PG_ADMIN)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
 
-    async def health(_: Request) -> Response:
-        return Response("ok")
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    try:
+        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
-    app = Starlette(routes=[Route("/v1/chat/completions", forward, methods=["POST"]), Route("/health", health)])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+def clear_redis_prefix(prefix: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(match=prefix + "*"):
+        client.delete(key)
+    client.close()
+
+
+def start_gateway(procs: Processes, name: str, upstream: str, db: str, *extra: str) -> tuple[str, int]:
+    port = free_port()
+    child = procs.start_agentrl(name, ["gateway", "--engine-url", upstream, "--db", db, "--port", str(port),
+                                       "--admin-key", ADMIN, "--agent-key", AGENT, "--log-level", "warning",
+                                       *extra])
+    base = f"http://127.0.0.1:{port}"
+    procs.wait_healthy(child, base + "/health", timeout_s=300)
+    return base, child.proc.pid
+
+
+def start_litellm(procs: Processes, litellm: str, upstream: str, work: Path) -> str:
+    port = free_port()
+    config = work / "litellm.yaml"
+    config.write_text(
+        "model_list:\n  - model_name: standin\n    litellm_params:\n      model: openai/standin\n"
+        f"      api_base: {upstream}/v1\n      api_key: none\n"
+        "litellm_settings:\n  telemetry: false\n  set_verbose: false\n"
+        f"general_settings:\n  master_key: {PEER_KEY}\n")
+    child = procs.start("litellm", [litellm, "--config", str(config), "--port", str(port), "--num_workers", "1"],
+                        env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})
+    base = f"http://127.0.0.1:{port}"
+    procs.wait_healthy(child, base + "/health/liveliness", timeout_s=300)
+    return base
+
+
+def recorded(db: str) -> dict[str, Any]:
+    """Turns in a gateway's store, and why roots are roots (a linked session turn has no root reason)."""
+    from gateway.store import Store
+
+    async def count() -> dict[str, Any]:
+        import sqlalchemy as sa
+
+        store = await Store.open(db, migrate=False)
+        try:
+            async with store.read_connection() as conn:
+                rows = (await conn.execute(sa.text(
+                    "SELECT root_reason, count(*) FROM interactions GROUP BY root_reason"))).all()
+                sessions = (await conn.execute(sa.text("SELECT count(*) FROM sessions"))).scalar_one()
+        finally:
+            await store.close()
+        reasons = {str(r or "child"): int(n) for r, n in rows}
+        return {"turns": sum(reasons.values()), "sessions": int(sessions), "by_root_reason": reasons}
+
+    return asyncio.run(count())
+
+
+# ------------------------------------------------------------------------------------------ the run
+
+def measure(targets: list[Target], levels: list[int], duration_s: float, turns: int, scenarios: list[str],
+            loads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    run_tag = uuid.uuid4().hex[:6]
+    for scenario in scenarios:
+        mode, stream = ("session" if scenario.startswith("session") else "raw"), scenario.endswith("stream")
+        for c in levels:
+            loads.append({"scenario": scenario, "concurrency": c, "loadavg": loadavg(), "at": time.time()})
+            for t in targets:
+                if scenario not in t.scenarios:
+                    continue
+                body = (t.extra["stream_body"] if stream else t.body_file) if mode == "raw" else None
+                tag = f"{run_tag}{t.name}{scenario}{c}"
+                argv = wrk_argv(t.url, concurrency=c, duration_s=duration_s, mode=mode, turns=turns, stream=stream,
+                                key=t.key, tag=tag, body_file=body)
+                warm = wrk_argv(t.url, concurrency=c, duration_s=1, mode=mode, turns=turns, stream=stream,
+                                key=t.key, tag="w" + tag, body_file=body)
+                run_wrk(warm, timeout_s=duration_s + 120)
+                r = run_wrk(argv, timeout_s=duration_s + 180)
+                r.update(target=t.name, scenario=scenario, concurrency=c)
+                results.append(r)
+                turn_info = ""
+                if mode == "session" and r["turn_p50_ms"] and r["turn_p50_ms"][0] is not None:
+                    last = r["turn_p50_ms"][-1]
+                    turn_info = f"  turn1 {r['turn_p50_ms'][0]:.2f} ms, turn{turns} " + (
+                        f"{last:.2f} ms" if last is not None else "n/a")
+                print(f"{scenario:15s} c={c:<4d} {t.name:16s} {r['rps']:9.1f} req/s  p50 {r['p50_ms']:8.2f} ms  "
+                      f"p99 {r['p99_ms']:8.2f} ms  errors {r['errors']}{turn_info}", flush=True)
+    return results
+
+
+def table(results: list[dict[str, Any]], turns: int) -> list[dict[str, Any]]:
+    """Rows with ratios: req/s vs LiteLLM's in the same scenario and concurrency, added p50 vs the upstream
+    called directly, turn-N / turn-1 p50, --workers 2 vs 1 worker."""
+    by = {(r["target"], r["scenario"], r["concurrency"]): r for r in results}
+    rows = []
+    for r in results:
+        if r["target"].startswith("upstream"):
+            continue
+        key = (r["scenario"], r["concurrency"])
+        peer = by.get(("litellm", *key))
+        base = by.get(("upstream-openai" if r["target"] == "litellm" else "upstream-native", *key))
+        one = by.get(("ours-pg", *key))
+        t1 = r["turn_p50_ms"][0] if r["turn_p50_ms"] else None
+        tn = r["turn_p50_ms"][turns - 1] if len(r["turn_p50_ms"]) >= turns else None
+        rows.append({
+            "scenario": r["scenario"], "concurrency": r["concurrency"], "target": r["target"], "rps": r["rps"],
+            "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "errors": r["errors"],
+            "vs_litellm": r["rps"] / peer["rps"] if peer and peer["rps"] and r["target"] != "litellm" else None,
+            "added_p50_ms": r["p50_ms"] - base["p50_ms"] if base else None,
+            "turn1_ms": t1 if r["scenario"].startswith("session") else None,
+            "turnN_ms": tn if r["scenario"].startswith("session") else None,
+            "workers2_vs_1": r["rps"] / one["rps"] if r["target"] == "ours-pg-w2" and one and one["rps"] else None,
+        })
+    return rows
+
+
+def fmt(v: Any, spec: str = ".1f", suffix: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def markdown(rows: list[dict[str, Any]], turns: int) -> str:
+    head = (f"| scenario | conc | proxy | req/s | p50 ms | p99 ms | errors | vs LiteLLM | added p50 ms | "
+            f"turn 1 / turn {turns} p50 ms | 2 workers / 1 |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        turn = "-" if r["turn1_ms"] is None else f"{r['turn1_ms']:.1f} / {fmt(r['turnN_ms'])}"
+        lines.append(f"| {r['scenario']} | {r['concurrency']} | {r['target']} | {r['rps']:.1f} | {r['p50_ms']:.1f} | "
+                     f"{r['p99_ms']:.1f} | {r['errors']} | {fmt(r['vs_litellm'], '.2f', 'x')} | "
+                     f"{fmt(r['added_p50_ms'], '.2f')} | {turn} | {fmt(r['workers2_vs_1'], '.2f', 'x')} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = [s for s in SCENARIOS if any(r["scenario"] == s for r in results)]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 4), dpi=110, squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios):
+        names = sorted({r["target"] for r in results if r["scenario"] == scenario})
+        for name in names:
+            pts = sorted((r["concurrency"], r["rps"]) for r in results if r["scenario"] == scenario and r["target"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if name.startswith("ours") else "s--", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(scenario)
+        ax.set_xlabel("concurrency (connections)")
+        ax.set_ylabel("requests/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=400, help="requests per concurrency level")
-    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds of load per measurement")
+    parser.add_argument("--concurrency", default="1,8,32,128")
+    parser.add_argument("--turns", type=int, default=20, help="turns per session in the session scenarios")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--targets", default="upstream-native,upstream-openai,ours-sqlite,ours-pg,ours-pg-w2,litellm")
     parser.add_argument("--litellm", default=None, help="path of the litellm executable")
-    parser.add_argument("--serve-passthrough", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--upstream", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(REPO / "docs" / "bench"), help="folder for gateway.json / .png")
     args = parser.parse_args()
-    if args.serve_passthrough:
-        serve_passthrough(args.serve_passthrough, args.upstream)
-        return 0
+    if shutil.which("wrk") is None:
+        print("bench/gateway.py needs wrk (apt-get install wrk)", file=sys.stderr)
+        return 2
     levels = [int(c) for c in args.concurrency.split(",")]
+    wanted = args.targets.split(",")
+    scenarios = args.scenarios.split(",")
     from engine.models import tiny_dir
 
     tokenizer = str(tiny_dir())
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-gw-"))
-    results: dict[str, dict[int, dict[str, float]]] = {}
-    with Processes(work / "logs") as procs:
-        up_port, gw_port, peer_port = free_port(), free_port(), free_port()
+    litellm = find_litellm(args.litellm) if "litellm" in wanted else None
+    if "litellm" in wanted and litellm is None:
+        print("LiteLLM not found (.venv-bench/bin/litellm, $AGENTRL_BENCH_LITELLM, PATH): its rows are left out",
+              file=sys.stderr)
+    info = machine()
+    print(f"machine: {info['cores']} cores, {info['cpu']}; {info['uptime']}", flush=True)
+    loads: list[dict[str, Any]] = []
+    prefixes: list[str] = []
+    with Processes(work / "logs") as procs, pg_database("pg") as pg1, pg_database("w2") as pg2:
+        up_port = free_port()
         upstream = f"http://127.0.0.1:{up_port}"
         child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
                                         "--tokenizer", tokenizer])
         procs.wait_healthy(child, upstream + "/health", timeout_s=120)
-        gateway = f"http://127.0.0.1:{gw_port}"
-        db = f"sqlite+aiosqlite:///{work}/bench.db"
-        child = procs.start_agentrl("gateway", ["gateway", "--engine-url", upstream, "--db", db, "--port",
-                                                str(gw_port), "--admin-key", ADMIN, "--agent-key", AGENT,
-                                                "--log-level", "warning"])
-        procs.wait_healthy(child, gateway + "/health", timeout_s=180)
-        litellm = find_litellm(args.litellm)
-        peer_name = "LiteLLM proxy" if litellm else "httpx pass-through (LiteLLM not installed)"
-        peer = f"http://127.0.0.1:{peer_port}"
-        if litellm:
-            config = work / "litellm.yaml"
-            config.write_text(
-                "model_list:\n  - model_name: standin\n    litellm_params:\n      model: openai/standin\n"
-                f"      api_base: {upstream}/v1\n      api_key: none\n"
-                "litellm_settings:\n  telemetry: false\n  set_verbose: false\n"
-                f"general_settings:\n  master_key: {PEER_KEY}\n")
-            child = procs.start("litellm", [litellm, "--config", str(config), "--port", str(peer_port),
-                                            "--num_workers", "1"],
-                                env={"LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False"})
-            procs.wait_healthy(child, peer + "/health/liveliness", timeout_s=300)
-        else:
-            child = procs.start("passthrough", [sys.executable, __file__, "--serve-passthrough", str(peer_port),
-                                                "--upstream", upstream])
-            procs.wait_healthy(child, peer + "/health", timeout_s=60)
-
-        with httpx.Client(base_url=gateway, headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
-            keys = [admin.post("/v1/sessions", json={"group_id": "bench"}).json()["api_key"]
-                    for _ in range(max(levels))]
+        # bodies of the single-turn scenarios
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer)
         prompt_ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
         if isinstance(prompt_ids, dict):
             prompt_ids = prompt_ids["input_ids"]
-        native = {"input_ids": list(prompt_ids), "return_logprob": True,
-                  "sampling_params": {"max_new_tokens": 64, "temperature": 1.0}}
-        chat = {"model": "standin", "messages": MESSAGES, "max_tokens": 64}
+        bodies = {}
+        for name, body in {
+            "chat": {"model": "standin", "messages": MESSAGES, "max_tokens": 64},
+            "chat-stream": {"model": "standin", "messages": MESSAGES, "max_tokens": 64, "stream": True},
+            "native": {"input_ids": list(prompt_ids), "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": 64, "temperature": 1.0}},
+            "native-stream": {"input_ids": list(prompt_ids), "return_logprob": True, "stream": True,
+                              "sampling_params": {"max_new_tokens": 64, "temperature": 1.0}},
+        }.items():
+            bodies[name] = work / f"{name}.json"
+            bodies[name].write_text(json.dumps(body))
 
-        def no_auth(_: int) -> dict[str, str]:
-            return {}
+        def ours(name: str, base: str, pid: int, db: str) -> Target:
+            return Target(name, base + "/v1/chat/completions", AGENT, "ours", db=db, pid=pid,
+                          body_file=bodies["chat"], extra={"stream_body": bodies["chat-stream"]})
 
-        def session_auth(slot: int) -> dict[str, str]:
-            return {"Authorization": f"Bearer {keys[slot]}"}
-
-        def peer_auth(_: int) -> dict[str, str]:
-            return {"Authorization": f"Bearer {PEER_KEY}"}
-
-        for c in levels:
-            n = max(args.requests, 4 * c)
-            print(f"concurrency {c}: {n} requests each ...", flush=True)
-            results.setdefault("upstream native", {})[c] = run_load(upstream + "/generate", lambda: native, no_auth, n, c)
-            results.setdefault("ours", {})[c] = run_load(gateway + "/v1/chat/completions", lambda: chat,
-                                                         session_auth, n, c)
-            results.setdefault("upstream openai", {})[c] = run_load(upstream + "/v1/chat/completions", lambda: chat,
-                                                                    no_auth, n, c)
-            results.setdefault("peer", {})[c] = run_load(peer + "/v1/chat/completions", lambda: chat, peer_auth, n, c)
-        recorded = httpx.get(gateway + "/metrics").text
-        rows = sum(float(line.split()[-1]) for line in recorded.splitlines()
-                   if line.startswith("agentrl_gateway_interactions_recorded_total"))
-
+        targets: list[Target] = []
+        if "upstream-native" in wanted:
+            targets.append(Target("upstream-native", upstream + "/generate", "none", "upstream",
+                                  scenarios=("single", "single-stream"), body_file=bodies["native"],
+                                  extra={"stream_body": bodies["native-stream"]}))
+        if "upstream-openai" in wanted:
+            targets.append(Target("upstream-openai", upstream + "/v1/chat/completions", "none", "upstream",
+                                  scenarios=("single", "single-stream"), body_file=bodies["chat"],
+                                  extra={"stream_body": bodies["chat-stream"]}))
+        if "ours-sqlite" in wanted:
+            db = f"sqlite+aiosqlite:///{work}/bench.db"
+            base, pid = start_gateway(procs, "ours-sqlite", upstream, db)
+            targets.append(ours("ours-sqlite", base, pid, db))
+        for name, db, workers in (("ours-pg", pg1, 1), ("ours-pg-w2", pg2, 2)):
+            if name in wanted:
+                prefix = f"agentrl-bench:{uuid.uuid4().hex[:8]}:"
+                prefixes.append(prefix)
+                base, pid = start_gateway(procs, name, upstream, db, "--redis", REDIS_URL, "--redis-prefix", prefix,
+                                          "--workers", str(workers))
+                targets.append(ours(name, base, pid, db))
+        if litellm:
+            base = start_litellm(procs, litellm, upstream, work)
+            targets.append(Target("litellm", base + "/v1/chat/completions", PEER_KEY, "peer",
+                                  body_file=bodies["chat"], extra={"stream_body": bodies["chat-stream"]}))
+        print(f"targets: {', '.join(t.name for t in targets)}; {args.duration:g} s per measurement (+1 s warm-up)",
+              flush=True)
+        started = time.time()
+        results = measure(targets, levels, args.duration, args.turns, scenarios, loads)
+        stores = {t.name: recorded(t.db) for t in targets if t.db}
+        wall = time.time() - started
+    for prefix in prefixes:
+        clear_redis_prefix(prefix)
+    info["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    rows = table(results, args.turns)
+    md = markdown(rows, args.turns)
     print()
-    print(f"gateway overhead over an instant upstream ({os.cpu_count()} cores shared with the load generator)")
-    header = f"{'proxy':44s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'added p50':>10s} {'added p99':>10s} {'errors':>6s}"
-    print(header)
-    print("-" * len(header))
-    for name, label, base in (("ours", "agentrl gateway (recording, SQLite)", "upstream native"),
-                              ("peer", peer_name, "upstream openai")):
-        for c in levels:
-            r, b = results[name][c], results[base][c]
-            print(f"{label:44s} {c:4d} {r['rps']:8.1f} {r['p50']:8.2f} {r['p99']:8.2f} "
-                  f"{r['p50'] - b['p50']:10.2f} {r['p99'] - b['p99']:10.2f} {int(r['errors']):6d}")
-    for c in levels:
-        ours, peer_r = results["ours"][c], results["peer"][c]
-        print(f"concurrency {c:3d}: ours/{'LiteLLM' if litellm else 'pass-through'} requests/s = "
-              f"{ours['rps'] / peer_r['rps']:.2f}x, added p50 {ours['p50'] - results['upstream native'][c]['p50']:.2f} ms "
-              f"vs {peer_r['p50'] - results['upstream openai'][c]['p50']:.2f} ms")
-    print(f"turns recorded by the gateway: {int(rows)} (warm-ups included)")
+    print(md)
+    for name, got in stores.items():
+        print(f"{name}: {got['turns']} turns recorded in {got['sessions']} sessions; roots by reason "
+              f"{ {k: v for k, v in got['by_root_reason'].items() if k != 'child'} }, linked children "
+              f"{got['by_root_reason'].get('child', 0)}")
+    print(f"load average (1/5/15 min) per block: {[l['loadavg'] for l in loads]}")
+    print(f"machine: {info['cores']} cores, {info['cpu']}; before: {info['uptime']}; after: {info['uptime_after']}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "wall_s": wall,
+               "machine": info, "loads": loads, "duration_s": args.duration, "turns": args.turns,
+               "load_generator": "wrk " + subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split("\n")[0],
+               "results": results, "table": rows, "stores": stores}
+    (out / "gateway.json").write_text(json.dumps(payload, indent=1))
+    plot(results, out / "gateway.png", f"gateway vs LiteLLM over an instant upstream, {info['cores']} shared cores, "
+         f"{payload['when']}")
+    (out / "gateway.md").write_text(md)
+    print(f"wrote {out / 'gateway.json'}, {out / 'gateway.png'}, {out / 'gateway.md'}")
     return 0
 
 

@@ -4,7 +4,8 @@ It speaks SGLang's native API (``/generate`` non-stream and stream, ``/health``,
 ``/get_server_info``, ``/get_weight_version``, pause/continue) exactly as ``docs/sglang-protocol.md``
 describes, and answers every ``/generate`` with the token ids of a scripted reply, tokenized by the real
 tokenizer and followed by the end-of-turn token. It also answers the OpenAI ``/v1/chat/completions`` route
-with the same fixed text (the upstream for peers' proxies in ``bench/gateway.py``).
+with the same fixed text, streamed one chunk per token when asked (the upstream for peers' proxies in
+``bench/gateway.py``).
 
 Why it exists: a random tiny model cannot be made to emit, say, two ``<tool_call>`` blocks; the stand-in
 returns exactly those tokens, so the gateway's parsing, stitching and recording are tested end to end
@@ -87,9 +88,28 @@ def build_app(tokenizer_dir: str, replies: list[str], *, context_length: int = 2
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    reply_ids = scripted[0][:-1]
+    # the reply's text and, for streams, its per-token pieces (decode of k tokens minus decode of k - 1)
+    prefixes = [tok.decode(reply_ids[:k], skip_special_tokens=True) for k in range(len(reply_ids) + 1)]
+    pieces = [b[len(a):] for a, b in zip(prefixes, prefixes[1:])]
+
     async def chat(request: Request) -> Response:  # OpenAI-compatible upstream (for peers' proxies)
-        await request.body()
-        text = tok.decode(scripted[0][:-1], skip_special_tokens=True)
+        body = json.loads(await request.body() or b"{}")
+        text = prefixes[-1]
+        if body.get("stream"):
+            def chunk(delta: dict[str, Any], finish: str | None) -> str:
+                return "data: " + json.dumps({
+                    "id": "chatcmpl-standin", "object": "chat.completion.chunk", "created": 0, "model": "standin",
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+            async def chat_events() -> Any:  # one chunk per token, as the native stream
+                yield chunk({"role": "assistant", "content": ""}, None)
+                for piece in pieces:
+                    yield chunk({"content": piece}, None)
+                yield chunk({}, "stop")
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(chat_events(), media_type="text/event-stream")
         return JSONResponse({
             "id": "chatcmpl-standin", "object": "chat.completion", "created": 0, "model": "standin",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],

@@ -1,0 +1,110 @@
+"""bench/gateway.py's helpers and its wrk script, against a real local HTTP server (no gateway needed).
+
+The server records every body it receives, so the session scenario's growing history is checked on the
+wire: turn k of a session carries k user messages and the k - 1 assistant replies in between.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("bench_gateway", REPO / "bench" / "gateway.py")
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)  # bench/gateway.py (not the gateway package)
+sys.modules["bench_gateway"] = bench  # dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+SAMPLE = ('noise\nWRKJSON {"requests":200,"duration_us":2000000,"bytes":1,"connect_errors":0,"read_errors":1,'
+          '"write_errors":0,"status_errors":3,"timeouts":2,"non200":3,"p50_us":1500.0,"p90_us":2000.0,'
+          '"p99_us":9000.0,"mean_us":1700.0,"max_us":12000.0,"turn_p50_us":[1000.0,null],"turn_n":[5,0]}\n')
+
+
+def test_parse_wrk_line() -> None:
+    got = bench.parse_wrk(SAMPLE)
+    assert got["rps"] == 100.0 and got["p50_ms"] == 1.5 and got["p99_ms"] == 9.0
+    assert got["errors"] == 1 + 2 + 3  # read errors, timeouts, non-200 answers (status_errors are the same 3)
+    assert got["turn_p50_ms"] == [1.0, None] and got["turn_n"] == [5, 0]
+    with pytest.raises(ValueError, match="no WRKJSON"):
+        bench.parse_wrk("Running 1s test\n")
+
+
+def test_wrk_argv_one_thread_per_connection_in_session_mode() -> None:
+    argv = bench.wrk_argv("http://h/x", concurrency=32, duration_s=5, mode="session", turns=20, stream=True,
+                          key="k", tag="t")
+    assert argv[argv.index("-t") + 1] == "32" and argv[argv.index("-c") + 1] == "32"
+    assert argv[-5:] == ["session", "20", "1", "k", "t"]
+    raw = bench.wrk_argv("http://h/x", concurrency=32, duration_s=5, mode="raw", turns=1, stream=False, key="k",
+                         tag="t", body_file=Path("/b.json"))
+    assert raw[raw.index("-t") + 1] == "2" and raw[-1] == "/b.json"
+
+
+def test_table_ratios() -> None:
+    def r(target: str, rps: float, p50: float, turns: list[float] | None = None) -> dict:
+        return {"target": target, "scenario": "session" if turns else "single", "concurrency": 8, "rps": rps,
+                "p50_ms": p50, "p99_ms": 2 * p50, "errors": 0, "turn_p50_ms": turns or [p50]}
+
+    rows = bench.table([r("upstream-native", 1000, 1.0), r("ours-pg", 100, 3.0), r("ours-pg-w2", 170, 2.5),
+                        r("litellm", 20, 40.0), r("ours-pg", 90, 4.0, [3.0, 3.5])], turns=2)
+    ours = next(x for x in rows if x["target"] == "ours-pg" and x["scenario"] == "single")
+    assert ours["vs_litellm"] == 5.0 and ours["added_p50_ms"] == 2.0
+    assert next(x for x in rows if x["target"] == "ours-pg-w2")["workers2_vs_1"] == 1.7
+    session = next(x for x in rows if x["scenario"] == "session")
+    assert (session["turn1_ms"], session["turnN_ms"]) == (3.0, 3.5) and session["vs_litellm"] is None
+    assert "| single | 8 | ours-pg | 100.0 |" in bench.markdown(rows, 2)
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (apt-get install wrk)")
+def test_wrk_session_script_grows_the_history() -> None:
+    bodies: list[dict] = []
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with lock:
+                bodies.append(body)
+            out = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+        argv = bench.wrk_argv(url, concurrency=2, duration_s=1, mode="session", turns=3, stream=False,
+                              key="k", tag="tg")
+        got = bench.run_wrk(argv, timeout_s=60)
+    finally:
+        server.shutdown()
+    assert got["errors"] == 0 and got["requests"] >= 6 and len(got["turn_p50_ms"]) == 3
+    assert got["turn_n"][0] >= got["turn_n"][2] >= 1
+    for body in bodies:
+        msgs = body["messages"]
+        users = [m for m in msgs if m["role"] == "user"]
+        assistants = [m for m in msgs if m["role"] == "assistant"]
+        assert msgs[0]["role"] == "system" and 1 <= len(users) <= 3 and len(assistants) == len(users) - 1
+        assert all(m["content"] == "Hello! How can I help you today?" for m in assistants)
+        assert [m["role"] for m in msgs[1:]] == ["user", "assistant"] * (len(users) - 1) + ["user"]
+        assert users[0]["content"].startswith("Session tg-")
+    # every session runs turns 1, 2, 3 in order on its connection
+    firsts = {b["messages"][1]["content"] for b in bodies}
+    assert len(firsts) < len(bodies)
