@@ -6,9 +6,17 @@ batch, (3) runs one batched decode step for all running requests and (4) drops f
 handlers never touch the model: they ``submit`` requests and ``control`` commands, and receive
 ``Snapshot``s through a callback that the server turns into JSON.
 
-Weight versions: a request records the version it was admitted under, and a weight swap is applied only
-when no request is running (new requests wait meanwhile; with ``abort_all_requests`` or while paused, the
-running ones are aborted first), so every request's tokens come from one version.
+Pauses (SGLang's ``pause_generation`` modes, 0.5.19 ``Scheduler.pause_generation``): ``abort`` aborts every
+request; ``retract`` moves the running requests back to the front of the waiting queue with their output so
+far and drops their KV cache: after ``continue`` they are prefilled again over prompt + output (under the
+weights current then) and go on to finish normally; ``in_place`` leaves the running batch, KV cache
+included, as it is. Requests that arrive while paused wait.
+
+Weight versions: every sampled token records the version of the weights that sampled it. A weight swap
+waits until no request is running (new requests wait meanwhile), unless generation is paused (then it is
+applied at once: the requests a ``retract``/``in_place`` pause holds continue under the new weights) or
+``abort_all_requests`` aborts the running ones. So a request's tokens span several versions only across a
+``retract``/``in_place`` pause; its finished output reports the spans (SGLang 0.5.19's ``weight_versions``).
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ class Snapshot:
     finish_reason: dict[str, Any] | None
     weight_version: int
     e2e_latency: float | None
+    token_versions: list[int] = field(default_factory=list)  # the weight version of each output token
+    retractions: int = 0
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests may carry the same fields
@@ -64,7 +74,9 @@ class Request:
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
-    weight_version: int = 0
+    weight_version: int = 0  # the version it was admitted under (then: of its last token)
+    token_versions: list[int] = field(default_factory=list)
+    retractions: int = 0  # times a ``retract`` pause took it out of the batch (SGLang's num_retractions)
     created: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
     grammar: Any = None  # the request's xgrammar GrammarMatcher (engine/grammar.py), if it is constrained
@@ -77,8 +89,10 @@ class Request:
             [list(t) for t in self.top_logprobs],
             list(self.prompt_logprobs),
             self.finish_reason,
-            self.weight_version,
+            self.token_versions[-1] if self.token_versions else self.weight_version,
             time.perf_counter() - self.created if finished else None,
+            list(self.token_versions),
+            self.retractions,
         )
 
 
@@ -94,6 +108,7 @@ class Stats:
     generated_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
+    retracted_requests: int = 0
     weight_updates: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -208,9 +223,13 @@ class Scheduler:
         try:
             if command == "pause":
                 mode = args.get("mode", "abort")
+                if mode not in PAUSE_MODES:
+                    raise ValueError(f"unknown pause mode {mode!r}; valid: {', '.join(PAUSE_MODES)}")
                 self.paused = mode
                 if mode == "abort":
                     self._abort_all("paused (abort mode)")
+                elif mode == "retract":
+                    self._retract_all()
                 future.set_result(None)
             elif command == "continue":
                 self.paused = None
@@ -243,11 +262,11 @@ class Scheduler:
             future.set_exception(exc)
 
     def _apply_swaps(self) -> None:
-        must_abort = self.paused is not None or any(abort for _, _, abort, _ in self._swaps)
-        if self._running and must_abort:
+        if self._running and any(abort for _, _, abort, _ in self._swaps):
             self._abort_all("aborted for a weight update")
-        if self._running:
+        if self._running and self.paused is None:
             return  # drain: running requests finish under the old weights; admission is held meanwhile
+        # idle, or paused: an in_place pause keeps its batch (KV of the old weights) and goes on with the new
         state = self.model.state_dict(keep_vars=True)
         for tensors, version, _, future in self._swaps:
             try:
@@ -263,6 +282,17 @@ class Scheduler:
             except BaseException as exc:
                 future.set_exception(exc)
         self._swaps.clear()
+
+    def _retract_all(self) -> None:
+        """SGLang's ``retract`` pause: running requests leave the batch, their KV cache dropped, and go back
+        to the front of the waiting queue with their output so far (re-prefilled on admission)."""
+        retracted = list(self._running)
+        self._running, self._batch = [], None
+        for req in retracted:
+            req.retractions += 1
+        self.stats.retracted_requests += len(retracted)
+        with self._wake:
+            self._waiting.extendleft(reversed(retracted))
 
     def _abort_all(self, message: str) -> None:
         with self._wake:
@@ -307,8 +337,9 @@ class Scheduler:
         if not new:
             return
         for req in new:
-            req.weight_version = self.version
-            req.generator = req.params.generator(self.device)
+            if not req.output_ids:  # a retracted request keeps its version and its sampler's state
+                req.weight_version = self.version
+                req.generator = req.params.generator(self.device)
         ready = []
         for req in new:
             if req.params.max_new_tokens == 0:
@@ -317,13 +348,15 @@ class Scheduler:
                 ready.append(req)
         if not ready:
             return
-        wants_prompt_logprobs = any(r.input_logprobs for r in ready)
+        # prompt logprobs once, at the first admission (a retracted request is prefilled again over prompt +
+        # output: every token's KV recomputed, and the last position's logits give its next token)
+        first = [not r.output_ids and r.input_logprobs for r in ready]
         new_batch, logits = batching.prefill(
-            self.model, [r.input_ids for r in ready], self.pad_id, all_logits=wants_prompt_logprobs
+            self.model, [r.input_ids + r.output_ids for r in ready], self.pad_id, all_logits=any(first)
         )
-        if wants_prompt_logprobs:
+        if any(first):
             for row, req in enumerate(ready):
-                if req.input_logprobs:
+                if first[row]:
                     req.prompt_logprobs = _prompt_logprobs(logits[row], req.input_ids)
             logits = logits[:, -1, :]
         self.stats.prefill_batches += 1
@@ -358,6 +391,7 @@ class Scheduler:
             token = int(tokens[row])
             req.output_ids.append(token)
             req.logprobs.append(float(logprobs[row]))
+            req.token_versions.append(self.version)
             if req.top_logprobs_num > 0:
                 values, ids = dist[row].topk(req.top_logprobs_num)
                 # tokens outside the sampled support (masked, filtered) have no probability: not listed

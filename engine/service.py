@@ -74,6 +74,21 @@ def parse_weight_version(value: Any) -> int | None:
         raise WeightUpdateError(f"weight_version {value!r}: the embedded engine uses integer versions, e.g. \"3\"") from exc
 
 
+def version_spans(token_versions: list[int], current: int) -> list[dict[str, Any]]:
+    """Runs of equal versions as SGLang 0.5.19's ``weight_versions`` (``utils/weight_versions.py``:
+    ``compute_weight_version_spans``, ``add_weight_versions_to_meta_info``): ``[{"version": str, "start":
+    int, "end": int}, ...]``; no tokens: one empty span of ``current``."""
+    if not token_versions:
+        return [{"version": str(current), "start": 0, "end": 0}]
+    spans: list[dict[str, Any]] = []
+    for pos, version in enumerate(token_versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = pos + 1
+        else:
+            spans.append({"version": str(version), "start": pos, "end": pos + 1})
+    return spans
+
+
 class Engine:
     def __init__(self, settings: EngineSettings):
         self.settings = settings
@@ -228,11 +243,15 @@ class Engine:
             "completion_tokens": len(snap.output_ids),
             "cached_tokens": 0,
             "weight_version": str(snap.weight_version),
+            "num_retractions": snap.retractions,
         }
+        if reason is not None:  # SGLang 0.5.19: the finished output names the version of each run of tokens
+            meta["weight_versions"] = version_spans(snap.token_versions, snap.weight_version)
         if inp.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, tok, self._token_text(tok, inp)] for lp, tok in zip(snap.logprobs, snap.output_ids)
             ]
+            meta["output_token_logprobs_length"] = len(snap.output_ids)
             prompt = snap.input_logprobs[inp.logprob_start_len :] if inp.logprob_start_len >= 0 else []
             meta["input_token_logprobs"] = [
                 [lp, tok, self._token_text(tok, inp)]

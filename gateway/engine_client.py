@@ -86,6 +86,9 @@ class EngineOutput:
     prompt_tokens: int
     abort_status: int | None = None  # SGLang's refusal inside a stream: finish_reason.status_code
     abort_message: str | None = None
+    # the weight version of each output token, from the finished output's ``weight_versions`` spans
+    # (SGLang 0.5.19, vLLM 0.32); None where the engine sent none (intermediate chunks) or "default"
+    versions: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -109,6 +112,22 @@ def _parse_version(raw: object) -> int | None:
         return None  # SGLang's default version is the string "default"
 
 
+def span_versions(spans: object, n: int) -> list[int] | None:
+    """Per-token versions from ``weight_versions`` spans ``[{"version", "start", "end"}, ...]`` (SGLang 0.5.19
+    ``utils/weight_versions.py``; vLLM 0.32 the same shape) over ``n`` output tokens; None when absent, when
+    a version is not an integer (``"default"``) or when the spans do not cover the tokens exactly."""
+    if not isinstance(spans, list) or not spans:
+        return None
+    out: list[int] = []
+    for span in spans:
+        version = _parse_version(span.get("version")) if isinstance(span, dict) else None
+        start, end = (span.get("start"), span.get("end")) if isinstance(span, dict) else (None, None)
+        if version is None or start != len(out) or not isinstance(end, int) or end < start:
+            return None
+        out.extend([version] * (end - start))
+    return out if len(out) == n else None
+
+
 def parse_output(body: dict[str, Any]) -> EngineOutput:
     """One SGLang ``/generate`` response (or cumulative stream chunk) as an :class:`EngineOutput`."""
     if "error" in body:
@@ -119,9 +138,10 @@ def parse_output(body: dict[str, Any]) -> EngineOutput:
     entries = meta.get("output_token_logprobs") or []
     logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
     if len(logprobs) != len(ids):
-        # SGLang 0.5.19 ends a stream whose request was retracted and then aborted with output_ids=[last
-        # token] but the cumulative logprobs; each logprob entry names its token, so the ids are recovered
-        # from the entries when the ids sent are their tail.
+        # SGLang 0.5.19 answers a streamed request aborted while in its waiting queue (e.g. retracted by a
+        # `retract` pause, then aborted) with output_ids=[last token] but the cumulative logprobs and
+        # completion_tokens (TokenizerManager._handle_abort_req); each logprob entry names its token, so the
+        # ids are recovered from the entries when the ids sent are their tail.
         entry_ids = [int(e[1]) for e in entries if len(e) > 1 and e[1] is not None]
         if len(entry_ids) == len(entries) and len(ids) < len(entry_ids) and entry_ids[len(entry_ids) - len(ids):] == ids:
             ids = entry_ids
@@ -144,7 +164,7 @@ def parse_output(body: dict[str, Any]) -> EngineOutput:
         finish = reason
     return EngineOutput(ids, logprobs, top_parsed, finish, matched,
                         _parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0),
-                        status, message)
+                        status, message, span_versions(meta.get("weight_versions"), len(ids)))
 
 
 def engine_error(base_url: str, status: int, message: str) -> GatewayError:
@@ -572,12 +592,14 @@ class EngineRouter:
         # engine report the version their weights were pushed with): that is what sampled them, whatever
         # this replica was told. An engine that reports none (SGLang's "default") gets the gateway's
         # version at the time the segment was sent (set on resume after a push). Disagreements are counted.
+        # A finished segment's per-token versions (``weight_versions`` spans) win: a request an engine held
+        # across a push (retract / in_place pause without the gateway) has tokens of both versions.
         if out.weight_version is not None and out.weight_version != version:
             self.version_mismatches += 1
             version = out.weight_version
         del gen.output_ids[base:], gen.logprobs[base:], gen.versions[base:], gen.top_logprobs[base:]
         gen.output_ids.extend(out.output_ids)
         gen.logprobs.extend(out.logprobs)
-        gen.versions.extend([version] * len(out.output_ids))
+        gen.versions.extend(out.versions if out.versions is not None else [version] * len(out.output_ids))
         if out.top_logprobs is not None:
             gen.top_logprobs.extend(out.top_logprobs)

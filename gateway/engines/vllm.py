@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from gateway.engine_client import SSE_DONE, EngineClient, EngineOutput, SamplingParams, _parse_version, sse_json
+from gateway.engine_client import (SSE_DONE, EngineClient, EngineOutput, SamplingParams, _parse_version, span_versions,
+                                   sse_json)
 from gateway.engines import EngineInfo
 from gateway.errors import EngineError, GatewayError
 
@@ -77,6 +78,7 @@ class Accumulator:
         self.finish: str | None = None
         self.matched: int | str | None = None
         self.version: int | None = None
+        self.spans: object = None
         self.prompt_tokens = 0
 
     def add(self, body: dict[str, Any]) -> bool:
@@ -103,6 +105,7 @@ class Accumulator:
         spans = choice.get("weight_versions") or []
         if spans:
             self.version = _parse_version(spans[-1].get("version"))
+            self.spans = spans
         reason = choice.get("finish_reason")
         if reason is not None:
             self.finish = str(reason)
@@ -114,7 +117,8 @@ class Accumulator:
 
     def output(self) -> EngineOutput:
         return EngineOutput(list(self.ids), list(self.logprobs), [list(t) for t in self.top] if self.top_k else None,
-                            self.finish, self.matched, self.version, self.prompt_tokens)
+                            self.finish, self.matched, self.version, self.prompt_tokens,
+                            versions=span_versions(self.spans, len(self.ids)))
 
 
 class VLLMClient(EngineClient):

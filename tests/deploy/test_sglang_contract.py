@@ -132,6 +132,23 @@ async def test_client_reads_cumulative_streams(client, name):
     assert outs[-1].finish == chunks[-1]["meta_info"]["finish_reason"]["type"]
 
 
+async def test_client_reads_a_retracted_then_aborted_stream_whole(client):
+    """0.5.19's last chunk for a request aborted while waiting (a retract pause put it there) carries only the
+    last output id, with cumulative logprobs (fixture produced by SGLang's own _handle_abort_req)."""
+    fx = fixture("generate_stream_abort_retracted")
+    chunks = sse_events(fx["body_text"])
+    with respx.mock:
+        respx.post(f"{BASE}/generate").mock(return_value=response_of(fx))
+        outs = [o async for o in client.generate_stream(fx["request"]["input_ids"], engine_client.SamplingParams(max_new_tokens=16), 16)]
+    before, last = chunks[-2], chunks[-1]  # the last cumulative chunk, then the abort answer
+    entries = [e[1] for e in last["meta_info"]["output_token_logprobs"]]
+    assert len(last["output_ids"]) == 1 and last["meta_info"]["completion_tokens"] == len(entries) == 3
+    assert outs[-1].output_ids == before["output_ids"] + last["output_ids"] == entries
+    assert outs[-1].logprobs == [e[0] for e in last["meta_info"]["output_token_logprobs"]]
+    assert outs[-1].finish == "abort" and outs[-1].abort_status is None  # a pause: held, then re-sent
+    assert outs[-1].versions == [0, 0, 0]
+
+
 async def test_client_raises_the_error_event_of_a_stream(client):
     fx = fixture("generate_stream_error")
     with respx.mock:
@@ -192,6 +209,7 @@ async def test_router_resumes_an_aborted_generation_with_the_new_version():
     aborted, finished = fixture("generate_abort_running"), fixture("generate_stop_eos")
     resumed_body = json.loads(json.dumps(finished["body"]))
     resumed_body["meta_info"]["weight_version"] = "1"
+    resumed_body["meta_info"]["weight_versions"][0]["version"] = "1"  # SGLang's spans agree with it
     prompt = aborted["request"]["input_ids"]
     partial = aborted["body"]["output_ids"]
     paused = asyncio.Event()

@@ -187,3 +187,52 @@ def test_update_weight_version_relabels_the_same_weights(url):
     finally:
         httpx.post(url + "/update_weight_version", json={"new_version": old}, timeout=60)
     assert version(url) == old
+
+
+def test_a_retracted_request_survives_a_disk_push_and_reports_both_versions(url, eos_model_dir, tiny_model_dir):
+    """Over HTTP, what a push without a gateway does (``DirectControl``): pause ``retract`` with a streamed
+    request running, load new weights (the EOS model), continue: the request is not aborted but finishes
+    with the new weights' EOS, and its last chunk's ``weight_versions`` spans name both versions, which the
+    gateway's client turns into one version per token."""
+    from gateway.engine_client import parse_output
+
+    start = int(version(url))
+    body = {"input_ids": PROMPT, "stream": True, "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 400}}
+    chunks: list[dict] = []
+
+    def read() -> None:
+        import json
+
+        with httpx.stream("POST", url + "/generate", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[len("data: "):]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(chunks) < 3:
+            assert time.monotonic() < deadline, "the engine streamed nothing"
+            time.sleep(0.02)
+        assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=60).status_code == 200
+        held = len(chunks[-1]["output_ids"])
+        assert update_from_disk(url, eos_model_dir, flush_cache=False).json()["success"] is True
+    finally:
+        httpx.post(url + "/continue_generation", json={}, timeout=60)
+    reader.join(60)
+    try:
+        last = chunks[-1]
+        meta = last["meta_info"]
+        assert meta["finish_reason"] == {"type": "stop", "matched": EOS}  # finished normally, by the new weights
+        assert meta["num_retractions"] == 1 and last["output_ids"][-1] == EOS
+        n = len(last["output_ids"])
+        cut = meta["weight_versions"][0]["end"]
+        assert cut >= held and EOS not in last["output_ids"][:cut]
+        assert meta["weight_versions"] == [{"version": str(start), "start": 0, "end": cut},
+                                           {"version": str(start + 1), "start": cut, "end": n}]
+        assert meta["weight_version"] == str(start + 1)
+        assert parse_output(last).versions == [start] * cut + [start + 1] * (n - cut)
+    finally:
+        update_from_disk(url, tiny_model_dir)  # restore for the next test

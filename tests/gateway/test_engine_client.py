@@ -334,3 +334,23 @@ def test_model_name_survives_a_disk_push() -> None:
                             context_length=0)
     assert model_name(after_push) == "smollm2"
     assert model_name(EngineInfo("/models/Qwen2.5-1.5B", None, None, 0)) == "Qwen2.5-1.5B"
+
+
+async def test_router_records_per_token_versions_from_weight_version_spans() -> None:
+    """A request the engine held across a push (retract / in_place pause without the gateway) finishes with
+    SGLang 0.5.19's weight_versions spans: each token is recorded with its own version, not the last one."""
+    answer = body([5, 6, 7, 8, EOT], {"type": "stop", "matched": EOT}, version="4")
+    answer["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 2},
+                                              {"version": "4", "start": 2, "end": 5}]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=answer)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        router = EngineRouter([EngineClient("http://e", http)])
+        gen = await collect(router, [1, 2], SamplingParams(max_new_tokens=8), affinity_key=None, stream=False)
+    assert gen.versions == [3, 3, 4, 4, 4] and gen.finish == "stop"
+    from gateway.engine_client import span_versions
+
+    assert span_versions([{"version": "3", "start": 0, "end": 2}], 3) is None  # spans not covering: unused
+    assert span_versions([{"version": "default", "start": 0, "end": 3}], 3) is None

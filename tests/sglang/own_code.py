@@ -196,3 +196,78 @@ def weight_updater_methods() -> dict[str, Any]:
     return {name: cut(where, f"WeightUpdater.{name}", namespace)
             for name in ("init_weights_update_group", "update_weights_from_distributed",
                          "_update_bucketed_weights_from_distributed", "destroy_weights_update_group")}
+
+
+@cache
+def weight_versions() -> types.ModuleType:
+    """``utils/weight_versions.py``: per-request weight version events and the ``weight_versions`` spans
+    SGLang adds to a finished output's ``meta_info``."""
+    return _load("sglang.srt.utils.weight_versions",
+                 {"sglang.srt.utils.weight_versions": "sglang/srt/utils/weight_versions.py", **_MSGSPEC})
+
+
+@cache
+def abort_path() -> dict[str, Any]:
+    """How SGLang answers a request aborted in its waiting queue (e.g. retracted by a ``retract`` pause,
+    then aborted): the scheduler's ``_make_abort_req`` (``managers/scheduler.py``) and the tokenizer
+    manager's ``_handle_abort_req``, ``add_logprob_to_meta_info`` and ``detokenize_logprob_tokens``
+    (``managers/tokenizer_manager.py``), cut out and run with the module globals they read. ``get_serving()``
+    (SGLang's server-args context) is given as a parameter-free stand-in holding ``weight_version`` and
+    ``skip_tokenizer_init``; the caller sets ``serving.weight_version``."""
+    import logging
+
+    versions = weight_versions()
+    serving = types.SimpleNamespace(weight_version="default", skip_tokenizer_init=False)
+    constants = "HEALTH_CHECK"  # sglang/srt/constants.py HEALTH_CHECK_RID_PREFIX
+    common: dict[str, Any] = {"Optional": Any, "List": list, "Req": Any, "FinishReasonDict": Any, "Any": Any,
+                              "get_serving": lambda: serving, "logger": logging.getLogger("sglang.tm")}
+    is_health = cut("srt/managers/utils.py", "is_health_check_generate_req",
+                    {**common, "HEALTH_CHECK_RID_PREFIX": constants})
+    make_abort = cut("srt/managers/scheduler.py", "_make_abort_req",
+                     {**common, "AbortReq": io_struct().AbortReq,
+                      "compute_weight_version_spans": versions.compute_weight_version_spans})
+    tm = "srt/managers/tokenizer_manager.py"
+    tm_globals = {**common, "is_health_check_generate_req": is_health,
+                  "add_weight_versions_to_meta_info": versions.add_weight_versions_to_meta_info}
+    return {"serving": serving, "make_abort_req": make_abort,
+            "handle_abort_req": cut(tm, "TokenizerManager._handle_abort_req", tm_globals),
+            "add_logprob_to_meta_info": cut(tm, "TokenizerManager.add_logprob_to_meta_info", tm_globals),
+            "detokenize_logprob_tokens": cut(tm, "TokenizerManager.detokenize_logprob_tokens", tm_globals),
+            "record_weight_version_events": versions.record_weight_version_events,
+            "compute_weight_version_spans": versions.compute_weight_version_spans,
+            "add_weight_versions_to_meta_info": versions.add_weight_versions_to_meta_info}
+
+
+def waiting_abort_output(ids: list[int], logprobs: list[float], *, stream: bool, text: str = "", version: str = "0",
+                         pushed_to: str | None = None, rid: str = "r1", e2e_latency: float = 0.0012) -> dict[str, Any]:
+    """What SGLang sends for a request aborted in its waiting queue after it produced ``ids`` (a ``retract``
+    pause put it back there; then ``/abort_request`` or an ``abort`` pause), by running ``abort_path()``:
+    the scheduler's request (``output_ids``, ``weight_version_events``) and the tokenizer manager's
+    ``ReqState`` (the ids and logprobs streamed so far) are stand-ins holding what those code paths read.
+    With ``pushed_to``, the server's version changed from ``version`` to it while the request waited
+    (``Scheduler.record_weight_version_change`` records an event for every waiting request). The result
+    is the JSON the HTTP server writes (tuples become arrays)."""
+    import json
+
+    sg = abort_path()
+    sg["serving"].weight_version = version
+    req = types.SimpleNamespace(rid=rid, output_ids=list(ids), weight_version_events=[])
+    if pushed_to is not None:
+        sg["record_weight_version_events"]([req], old_version=version)
+        sg["serving"].weight_version = pushed_to
+    state = types.SimpleNamespace(
+        finished=False, out_list=[], event=types.SimpleNamespace(set=lambda: None),
+        time_stats=types.SimpleNamespace(set_finished_time=lambda: None, get_e2e_latency=lambda: e2e_latency),
+        obj=types.SimpleNamespace(stream=stream, return_logprob=True, top_logprobs_num=0, token_ids_logprob=None,
+                                  return_text_in_logprobs=False, rid=rid),
+        output_ids=list(ids), get_text=lambda: text,
+        input_token_logprobs_val=[], input_token_logprobs_idx=[], input_token_logprobs=[],
+        output_token_logprobs_val=list(logprobs), output_token_logprobs_idx=list(ids),
+        output_token_logprobs=[(lp, t, None) for lp, t in zip(logprobs[:1], ids[:1])])  # some already sent
+    manager = types.SimpleNamespace(rid_to_state={rid: state},
+                                    config_value=lambda key: sg["serving"].weight_version)
+    manager.add_logprob_to_meta_info = lambda *a: sg["add_logprob_to_meta_info"](manager, *a)
+    manager.detokenize_logprob_tokens = lambda *a: sg["detokenize_logprob_tokens"](manager, *a)
+    sg["handle_abort_req"](manager, sg["make_abort_req"](req))
+    (out,) = state.out_list
+    return json.loads(json.dumps(out))
