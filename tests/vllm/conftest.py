@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +35,27 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def require_venv() -> None:
+    """Skip (with the reason) without ``.venv-vllm``, unless in CI, where it is created."""
+    if not server.venv_ready():
+        if not in_ci():
+            pytest.skip(f"no vLLM environment at {server.VENV}: run `make test-vllm` (creates it, ~2-10 min) "
+                        "or set CI=true")
+        server.ensure_venv()
+
+
+@contextmanager
+def running_vllm(model_dir: Path, logs: Path, **argv: Any) -> Iterator[VLLMServer]:
+    """A vLLM server over ``model_dir`` (``server.server_argv``), healthy, killed on exit."""
+    port = free_port()
+    with Processes(logs) as procs:
+        child = procs.start(f"vllm-{port}", server.server_argv(model_dir, port, **argv), env=server.server_env())
+        url = f"http://127.0.0.1:{port}"
+        # warm-up on 2 shared cores: 1-2 minutes on a quiet machine, several under load
+        procs.wait_healthy(child, url + "/health", timeout_s=900)
+        yield VLLMServer(url, model_dir, child)
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     external = os.environ.get("AGENTRL_TEST_VLLM_URL")
@@ -42,19 +65,10 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer
         root = httpx.get(external.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["root"]
         yield VLLMServer(external.rstrip("/"), Path(root), None)
         return
-    if not server.venv_ready():
-        if not in_ci():
-            pytest.skip(f"no vLLM environment at {server.VENV}: run `make test-vllm` (creates it, ~2-10 min) "
-                        "or set CI=true")
-        server.ensure_venv()
+    require_venv()
     model_dir = server.tiny_vllm_model(agentrl_home() / "models" / "tiny-vllm")
-    port = free_port()
-    with Processes(tmp_path_factory.mktemp("vllm-logs")) as procs:
-        child = procs.start(f"vllm-{port}", server.server_argv(model_dir, port), env=server.server_env())
-        url = f"http://127.0.0.1:{port}"
-        # warm-up on 2 shared cores: 1-2 minutes on a quiet machine, several under load
-        procs.wait_healthy(child, url + "/health", timeout_s=900)
-        yield VLLMServer(url, model_dir, child)
+    with running_vllm(model_dir, tmp_path_factory.mktemp("vllm-logs")) as running:
+        yield running
 
 
 @pytest.fixture
