@@ -56,7 +56,7 @@ from gateway.errors import (
     from_chat_error,
     from_store_error,
 )
-from gateway.store import Interaction, SessionRecord
+from gateway.store import Interaction, NewSession, SessionRecord
 from gateway.store import errors as store_errors
 from gateway.wire import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -185,7 +185,7 @@ class GenerationService:
             sid = await self.svc.implicit.lookup([h for _, h in candidates])
             if sid is not None:
                 try:
-                    found = await self.svc.store.get_session(session_id=sid)
+                    found = await self.svc.store.get_session(session_id=sid, cached=True)
                 except store_errors.NotFound:
                     found = None
                 except store_errors.StoreError as exc:
@@ -316,14 +316,14 @@ class GenerationService:
         started = time.perf_counter()
         try:
             sessions: list[str] = []
+            created: list[NewSession] = []  # new implicit episodes: created in the turns' own commit
             for _ in runs:
                 if plan.session is not None:
                     sessions.append(plan.session.id)
                 else:
-                    created = await store.create_session(group_id=plan.group_id,
-                                                         metadata={"implicit": True, "owner": self.owner})
-                    plan.handed += 1
-                    sessions.append(created.id)
+                    created.append(store.new_session(group_id=plan.group_id,
+                                                     metadata={"implicit": True, "owner": self.owner}))
+                    sessions.append(created[-1].id)
             rows = []
             for run, sid in zip(runs, sessions):
                 res = run.result
@@ -341,7 +341,8 @@ class GenerationService:
                     timings={**plan.timings, "engine_ms": round(run.engine_s * 1000.0, 3),
                              "segments": float(res.segments)},
                 ))
-            await store.record_interactions(rows)
+            await store.record_interactions(rows, create=created)
+            plan.handed += len(created)
         except store_errors.StoreError as exc:
             raise from_store_error(exc) from exc
         if plan.implicit:  # committed: from here on nothing may turn the answer into an error (a retry

@@ -24,6 +24,7 @@ import math
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -45,6 +46,7 @@ from gateway.store.records import (
     SESSION_STATUSES,
     CommitStats,
     FinishReason,
+    NewSession,
     GroupRecord,
     Interaction,
     ParentMatch,
@@ -137,6 +139,15 @@ class Store:
         self._redis_prefix = redis_prefix
         self._seqs = SequenceCache(seq_cache_tokens)
         self._turns = TurnCache(turn_cache_size)
+        # Without Redis this process is the store's only writer of turns (SQLite refuses several), so two
+        # things the hot path asks SQL for on every turn are kept here: session records by id (what an
+        # implicit-mode request checks; dropped on every status/reward change made through this store) and
+        # the chain-hash index of the turns committed here ((session, chain hash) -> newest turn). Both are
+        # hints: the group-commit writer re-checks the session's status and the parent in its transaction.
+        self._local = redis is None
+        self._sessions: OrderedDict[str, SessionRecord] = OrderedDict()
+        self._chains: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._local_entries = max(1024, 64 * turn_cache_size)
         self._writer = GroupCommitWriter(
             self._write_tx,
             lock_rows=not self._is_sqlite,
@@ -312,6 +323,8 @@ class Store:
         """Put new sessions into the Redis cache; their records (with their plain api keys)."""
         out = []
         for row, api_key in made:
+            if self._local:
+                self._remember(self._sessions, row["id"], session_from_row(row))
             if self._redis is not None:
                 await self._redis.put_session(row["key_hash"], session_from_row(row))
             out.append(session_from_row(row, api_key=api_key))
@@ -410,13 +423,32 @@ class Store:
                                .values(status=status, places=found["created"]))
         return int(found["places"] - found["created"])
 
-    async def get_session(self, *, session_id: str) -> SessionRecord:
-        """The session as stored in SQL (authoritative). NotFound if unknown."""
+    async def get_session(self, *, session_id: str, cached: bool = False) -> SessionRecord:
+        """The session as stored in SQL (authoritative). NotFound if unknown.
+
+        ``cached=True`` (the implicit-mode hot path, which only needs its status and owner): without
+        Redis, a record this process read or changed before, kept until a status or reward change made
+        through this store (``last_activity_at`` may lag). Other processes' changes are not seen; the
+        group-commit writer refuses a turn of a session that is no longer active in its transaction."""
+        if cached and self._local:
+            record = self._sessions.get(session_id)
+            if record is not None:
+                self._sessions.move_to_end(session_id)
+                return record
         async with self._read() as conn:
             row = (await conn.execute(sa.select(schema.sessions).where(schema.sessions.c.id == session_id))).mappings().first()
         if row is None:
             raise NotFound(f"unknown session {session_id}")
-        return session_from_row(row)
+        record = session_from_row(row)
+        if cached and self._local:
+            self._remember(self._sessions, session_id, record)
+        return record
+
+    def _remember(self, cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > self._local_entries:
+            cache.popitem(last=False)
 
     async def get_session_by_key(self, *, api_key: str) -> SessionRecord:
         """The session whose api key this is (the gateway's auth path; Redis-cached when Redis is on).
@@ -487,6 +519,7 @@ class Store:
             values = _status_change(row, status)
             await conn.execute(sa.update(s).where(s.c.id == session_id).values(**values))
         updated = session_from_row({**row, **values})
+        self._sessions.pop(session_id, None)
         if self._redis is not None:
             await self._redis.put_session(row["key_hash"], updated)
         return updated
@@ -528,6 +561,8 @@ class Store:
                 updated.append((row["key_hash"], session_from_row({**row, **values})))
             if then is not None:
                 await then(conn)
+        for _, record in updated:
+            self._sessions.pop(record.id, None)
         if self._redis is not None:
             for key_hash, record in updated:
                 await self._redis.put_session(key_hash, record)
@@ -574,6 +609,13 @@ class Store:
         if not candidates:
             return None
         hashes = [h for _, h in candidates]
+        if self._local:
+            known = self._chains.get((session_id, hashes[0]))
+            if known is not None:  # the longest candidate, committed here: nothing can beat it
+                try:
+                    return ParentMatch(candidates[0][0], await self._turn(known))
+                except NotFound:
+                    self._chains.pop((session_id, hashes[0]), None)
         if self._redis is not None:
             found = await self._redis.chain_lookup(session_id, hashes[:1])
             if found[0] is not None:  # the longest candidate: nothing can beat it
@@ -660,8 +702,19 @@ class Store:
             await self._redis.seq_put([(interaction_id, packed)])
         return packed
 
-    async def record_interactions(self, interactions: Sequence[Interaction]) -> None:
+    def new_session(self, *, group_id: str | None = None, task_id: str | None = None,
+                    metadata: dict[str, Any] | None = None) -> NewSession:
+        """A session to create together with its first turns (``record_interactions(create=[...])``): its
+        id is known at once and it exists only if those turns commit. No I/O."""
+        row, api_key = _new_session_row(group_id=group_id, task_id=task_id, metadata=metadata)
+        return NewSession(row=row, api_key=api_key)
+
+    async def record_interactions(self, interactions: Sequence[Interaction], *,
+                                  create: Sequence[NewSession] = ()) -> None:
         """Durably record turns; returns only after they are committed.
+
+        ``create``: sessions (from :meth:`new_session`) inserted in the same transaction as the turns,
+        before them (a new implicit episode and its first turn: one commit, all or nothing).
 
         Group commit: rows of concurrent callers are written in one transaction by a background writer;
         each caller awaits its own outcome. All rows of one call commit together or not at all; a
@@ -675,7 +728,9 @@ class Store:
         for it in interactions:
             check_interaction(it)
         rows = [interaction_to_row(it) for it in interactions]
-        await self._writer.submit(list(interactions), rows)
+        await self._writer.submit(list(interactions), rows, [new.row for new in create])
+        if create:
+            await self._cache_new_sessions([(new.row, new.api_key) for new in create])
 
     async def _after_commit(self, committed: list[tuple[Interaction, dict[str, Any]]]) -> None:
         """Cache the new turns' full sequences (when the parent's is at hand) and publish their chain
@@ -683,6 +738,8 @@ class Store:
         sequences: list[tuple[str, bytes]] = []
         for it, row in committed:
             self._turns.put(it)
+            if self._local:
+                self._remember(self._chains, (it.session_id, it.chain_hash), it.id)
             parent = b"" if it.parent_id is None else self._seqs.get(it.parent_id)
             if parent is None:
                 continue  # computed from SQL on first use
@@ -803,6 +860,7 @@ class Store:
             event_id = int(result.inserted_primary_key[0])
         if interaction_id is not None:
             self._turns.set_reward(interaction_id, float(reward))
+        self._sessions.pop(target_session, None)
         if updated is not None and self._redis is not None:
             await self._redis.put_session(key_hash, updated)
         return RewardRecord(

@@ -84,6 +84,18 @@ class Interaction:
 
 
 @dataclass(slots=True, frozen=True)
+class NewSession:
+    """A session not stored yet, created with its first turns (``Store.new_session``)."""
+
+    row: dict[str, Any]  # its SQL row
+    api_key: str  # the plain key (only its hash is stored)
+
+    @property
+    def id(self) -> str:
+        return str(self.row["id"])
+
+
+@dataclass(slots=True, frozen=True)
 class ParentMatch:
     """The turn found as parent, and the length of the message prefix (the candidate) that matched."""
 

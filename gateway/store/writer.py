@@ -39,6 +39,7 @@ class _Job:
     interactions: Sequence[Interaction]
     rows: list[dict[str, Any]]
     future: asyncio.Future[None]
+    sessions: list[dict[str, Any]]  # session rows created with these turns (new implicit episodes)
 
 
 class GroupCommitWriter:
@@ -64,14 +65,16 @@ class GroupCommitWriter:
         self.stats = CommitStats()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="store-group-commit")
 
-    async def submit(self, interactions: Sequence[Interaction], rows: list[dict[str, Any]]) -> None:
-        """Queue one job; return when it is committed (or raise its StoreError)."""
+    async def submit(self, interactions: Sequence[Interaction], rows: list[dict[str, Any]],
+                     sessions: Sequence[dict[str, Any]] = ()) -> None:
+        """Queue one job; return when it is committed (or raise its StoreError). ``sessions``: rows of
+        sessions to create in the same transaction, before the turns (all or nothing with them)."""
         if self._closing:
             raise StoreUnavailable("the store is closed")
         if self._task.done():
             raise StoreUnavailable("the store's commit writer has stopped; restart the process")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(interactions, rows, future))
+        self._queue.append(_Job(interactions, rows, future, list(sessions)))
         self._wake.set()
         # shield: a caller that goes away (client disconnect) does not cancel a write already queued
         await asyncio.shield(future)
@@ -153,14 +156,20 @@ class GroupCommitWriter:
         self.stats.transactions += 1
         async with db_errors(), self._transaction() as conn:
             ok = await self._check(conn, batch)
+            created = [row for job in ok for row in job.sessions]
+            if created:
+                await conn.execute(sa.insert(schema.sessions), created)
             if ok:
                 await conn.execute(sa.insert(schema.interactions), [row for job in ok for row in job.rows])
-                session_ids = sorted({it.session_id for job in ok for it in job.interactions})
-                await conn.execute(
-                    sa.update(schema.sessions)
-                    .where(schema.sessions.c.id.in_(session_ids))
-                    .values(last_activity_at=time.time())
-                )
+                # sessions created just now already carry this activity time
+                session_ids = sorted({it.session_id for job in ok for it in job.interactions}
+                                     - {row["id"] for row in created})
+                if session_ids:
+                    await conn.execute(
+                        sa.update(schema.sessions)
+                        .where(schema.sessions.c.id.in_(session_ids))
+                        .values(last_activity_at=time.time())
+                    )
         return ok
 
     async def _check(self, conn: AsyncConnection, batch: list[_Job]) -> list[_Job]:
@@ -171,6 +180,8 @@ class GroupCommitWriter:
         if self._lock_rows:  # PostgreSQL: serialise with finish/status changes; sorted, so no deadlocks
             query = query.with_for_update()
         status = {row.id: row.status for row in await conn.execute(query)}
+        for job in batch:  # sessions created with their first turns (a clash with a stored id fails on insert)
+            status.update({row["id"]: row["status"] for row in job.sessions if row["id"] not in status})
 
         own_ids = [it.id for job in batch for it in job.interactions]
         parent_ids = {it.parent_id for job in batch for it in job.interactions if it.parent_id}

@@ -102,3 +102,42 @@ async def test_commit_delay_still_commits(backend, delay_s: float) -> None:
         assert stats.rows == 40 and stats.max_batch_calls <= 16 and stats.transactions >= 3
     finally:
         await store.close()
+
+
+async def test_sessions_created_with_their_first_turns_commit_with_them_or_not_at_all(store: Store) -> None:
+    """A new implicit episode and its first turn are one commit: the session exists only if the turn landed."""
+    other = await store.create_session()
+    await store.record_interactions([make_turn("taken", other.id, None, prompt=[1], output=[2])])
+    fresh = [store.new_session(group_id="g-root", metadata={"implicit": True}) for _ in range(3)]
+    doomed = store.new_session(group_id="g-root", metadata={"implicit": True})
+    results = await asyncio.gather(
+        *(store.record_interactions([make_turn(f"root{k}", new.id, None, prompt=[k], output=[k])], create=[new])
+          for k, new in enumerate(fresh)),
+        # its turn reuses a stored id: the job fails, and its session must not be left behind
+        store.record_interactions([make_turn("taken", doomed.id, None, prompt=[1], output=[1])], create=[doomed]),
+        return_exceptions=True)
+    assert results[:3] == [None] * 3
+    assert isinstance(results[3], Conflict)
+    for k, new in enumerate(fresh):
+        record = await store.get_session(session_id=new.id)
+        assert (record.status, record.group_id, record.metadata) == ("active", "g-root", {"implicit": True})
+        assert [t.id for t in await store.session_interactions(session_id=new.id)] == [f"root{k}"]
+    with pytest.raises(NotFound):
+        await store.get_session(session_id=doomed.id)
+
+
+async def test_cached_session_and_parent_hints_follow_changes_made_through_the_store(store: Store) -> None:
+    """``get_session(cached=True)`` and ``find_parent`` answer from memory without Redis; what they answer
+    must still follow a status change, and the newest of two turns with the same chain hash wins."""
+    new = store.new_session(metadata={"implicit": True})
+    await store.record_interactions([make_turn("r", new.id, None, prompt=[1], output=[2], chain_hash="h1")],
+                                    create=[new])
+    assert (await store.get_session(session_id=new.id, cached=True)).status == "active"
+    await store.record_interactions([make_turn("r2", new.id, None, prompt=[1], output=[3], chain_hash="h1")])
+    match = await store.find_parent(session_id=new.id, candidates=[(3, "h1"), (1, "h0")])
+    assert match is not None and (match.prefix_len, match.interaction.id) == (3, "r2")
+    assert await store.find_parent(session_id="sess-other", candidates=[(3, "h1")]) is None
+    await store.finish_session(session_id=new.id)
+    assert (await store.get_session(session_id=new.id, cached=True)).status == "finished"
+    await store.set_session_status(session_id=new.id, status="abandoned")
+    assert (await store.get_session(session_id=new.id, cached=True)).status == "abandoned"
