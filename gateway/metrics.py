@@ -27,6 +27,9 @@ class Metrics:
                              "child turns whose template re-render differs from the stitched tokens "
                              "(stitched anyway), or that could not be stitched, by reason", ["reason"],
                              registry=r)
+        self.drift_checks = Counter("agentrl_gateway_template_drift_checks",
+                                    "child turns whose history was re-rendered to look for template drift "
+                                    "(a sample of the long ones: --drift-check-messages)", registry=r)
         self.tokens = Counter("agentrl_gateway_tokens", "tokens by kind (prompt sent, output recorded)",
                               ["kind"], registry=r)
         self.engine_seconds = Histogram("agentrl_gateway_engine_seconds", "engine time per choice",

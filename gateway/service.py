@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import logging
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -231,8 +232,10 @@ class GenerationService:
                     full = await self.svc.store.full_sequence(interaction_id=parent.id)
                 except store_errors.StoreError as exc:
                     raise from_store_error(exc) from exc
-                if await _off_loop(template.drift, full, history, tools, new):
-                    metrics.drift.labels("rerender_differs").inc()
+                if _sample_drift(len(history), self.svc.settings.drift_check_messages):
+                    metrics.drift_checks.inc()
+                    if await _off_loop(template.drift, full, history, tools, new):
+                        metrics.drift.labels("rerender_differs").inc()
                 request = {"messages": new, "tools": tools, "tool_choice": req.tool_choice,
                            "prefix_len": match.prefix_len, "params": params}
                 return TurnPlan(None, parent, full + cont.prompt_ids, cont.prompt_ids, len(cont.bridge_ids),
@@ -530,6 +533,15 @@ _LONGEST: dict[int, int] = {}
 
 async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, functools.partial(fn, *args))
+
+
+def _sample_drift(history_messages: int, every_below: int) -> bool:
+    """Whether this child turn runs the drift check: always for a history of at most ``every_below``
+    messages, else with probability ``every_below / history_messages`` (the check re-renders the whole
+    history, so its expected cost per turn stays that of ``every_below`` messages)."""
+    if every_below <= 0:
+        return False
+    return history_messages <= every_below or random.random() * history_messages < every_below
 
 
 def _longest_token(tokenizer: Any) -> int:

@@ -48,6 +48,11 @@ class GatewaySettings:
         "help": "a request body not fully received within this many seconds gets 408 (slow or half-sent "
                 "requests must not hold connections forever)"})
     max_n: int = field(default=16, metadata={"help": "largest n (choices per request) accepted"})
+    drift_check_messages: int = field(default=8, metadata={
+        "help": "the template drift check (re-render a child turn's whole history, compare with the stitched "
+                "tokens; counted in template_drift_total) runs on every turn whose history has at most this "
+                "many messages and on a random share N/messages of longer ones, so that its cost per turn "
+                "does not grow with the conversation (0: never; a very large N: always)"})
     unsupported_tools: str = field(default="drop", metadata={
         "help": "Responses tools the gateway cannot serve (web_search, custom, tool_search, ...): drop (from "
                 "the prompt, with a warning) or reject (400)"})

@@ -179,6 +179,7 @@ async def test_think_stripping_template_keeps_the_parents_real_tokens(make_gw: A
         assert "<think>" not in tok.decode(rerendered) and rerendered != stitched
         metrics = (await gw.http.get("/metrics")).text
         assert 'agentrl_gateway_template_drift_total{reason="rerender_differs"} 1.0' in metrics
+        assert "agentrl_gateway_template_drift_checks_total 1.0" in metrics
 
 
 async def test_two_parallel_tool_calls_come_back_streamed_and_not(make_gw: Any) -> None:
