@@ -47,6 +47,10 @@ class GatewaySettings:
     body_timeout_s: float = field(default=30.0, metadata={
         "help": "a request body not fully received within this many seconds gets 408 (slow or half-sent "
                 "requests must not hold connections forever)"})
+    header_timeout_s: float = field(default=30.0, metadata={
+        "help": "a request whose headers are not complete this many seconds after their first byte (or after "
+                "the connection opened) gets 408 and the connection is closed (slowloris); streamed answers "
+                "and bodies are not affected (see --body-timeout-s)"})
     max_n: int = field(default=16, metadata={"help": "largest n (choices per request) accepted"})
     drift_check_messages: int = field(default=8, metadata={
         "help": "the template drift check (re-render a child turn's whole history, compare with the stitched "
@@ -128,6 +132,8 @@ class GatewaySettings:
             raise SettingsError("--pause-timeout-s must be > 0 (seconds a pause may last without a resume)")
         if not self.body_timeout_s > 0:
             raise SettingsError("--body-timeout-s must be > 0")
+        if not self.header_timeout_s > 0:
+            raise SettingsError("--header-timeout-s must be > 0")
         if self.max_n < 1:
             raise SettingsError("--max-n must be at least 1")
         if self.unsupported_tools not in ("drop", "reject"):

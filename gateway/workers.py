@@ -189,12 +189,13 @@ def serve(settings: GatewaySettings, *, sock: socket.socket | None = None, index
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.http_server import protocol
 
     app: Any = create_app(settings)
     if index is not None:
         app = WorkerHeader(app, index)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=5)
+                            access_log=False, timeout_graceful_shutdown=5, http=protocol(settings.header_timeout_s))
     server = uvicorn.Server(config)
     server.run(sockets=[sock] if sock is not None else None)
     if not server.started:

@@ -19,12 +19,12 @@ from gateway.chat.normalize import validate_messages
 from gateway.context import services
 from gateway.errors import from_chat_error
 from gateway.formats import messages as fmt
-from gateway.routes.common import SSE_HEADERS, caller, json_response, read_json
+from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json
 from gateway.service import GenerationService
 
 router = APIRouter()
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=json_body(fmt.MessagesRequest))
 async def create_message(request: Request) -> Response:
     svc = services(request)
     who = await caller(request)
@@ -42,7 +42,7 @@ async def create_message(request: Request) -> Response:
     return json_response(fmt.render_message(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer))
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=json_body(fmt.CountTokensRequest))
 async def count_tokens(request: Request) -> Response:
     """The prompt's tokens as a root turn would render them (a continuation reuses its parent's tokens, so
     a long conversation may count a few tokens differently)."""

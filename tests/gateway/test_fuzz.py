@@ -3,6 +3,8 @@ a bounded number of generated requests per operation, with every key role; none 
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -10,11 +12,32 @@ import httpx
 import pytest
 
 from tests.gateway.conftest import GatewayProc
+from tests.gateway.test_openai_inprocess import ADMIN, make_gw, tokenizer  # noqa: F401 (fixtures)
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402  (after the importorskip)
 
 EXAMPLES = 8  # per operation and key: bounded, the suite must stay fast
+
+JSON_BODY_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                    "/v1/messages/count_tokens", "/v1/sessions", "/reward")
+
+
+async def test_openapi_documents_the_body_of_every_generation_route(make_gw: Any) -> None:
+    """The fuzzer generates bodies only for routes whose body the document describes; every ``$ref`` in it
+    resolves."""
+    async with make_gw(["a"]) as gw:
+        doc = (await gw.http.get("/openapi.json", headers={"Authorization": f"Bearer {ADMIN}"})).json()
+    schemas = doc["components"]["schemas"]
+    for path in JSON_BODY_ROUTES:
+        body = doc["paths"][path]["post"].get("requestBody")
+        assert body is not None, f"POST {path} has no request body in /openapi.json"
+        assert body["content"]["application/json"]["schema"], path
+    refs = {m for m in re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(doc))}
+    assert refs and refs <= set(schemas), refs - set(schemas)
+    assert {"ResponsesRequest", "MessagesRequest", "CountTokensRequest"} <= {
+        doc["paths"][p]["post"]["requestBody"]["content"]["application/json"]["schema"].get("title")
+        for p in ("/v1/responses", "/v1/messages", "/v1/messages/count_tokens")}
 
 
 @pytest.mark.slow

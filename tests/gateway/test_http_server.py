@@ -1,0 +1,112 @@
+"""Slow request headers (slowloris) over a raw socket against a real gateway process: a request whose headers
+trickle in is cut off with 408 after ``--header-timeout-s``; a slow body, a keep-alive connection idle between
+requests and a streamed answer longer than the deadline are not affected."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+
+from tests.gateway.conftest import GatewayProc
+
+HEADER_TIMEOUT_S = 1.0
+
+
+def _connect(gw: GatewayProc) -> socket.socket:
+    host, port = gw.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    return sock
+
+
+def _request(gw: GatewayProc, body: bytes, path: str = "/v1/chat/completions") -> tuple[bytes, bytes]:
+    head = (f"POST {path} HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {gw.agent_key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    return head, body
+
+
+def _read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """Status and body of one response with a Content-Length (or up to EOF)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1]) if head else 0
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")), None)
+    while length is not None and len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return status, rest
+
+
+def test_slow_headers_are_cut_off_and_slow_bodies_keep_alive_and_streams_are_not(
+        gateway_factory: Callable[..., GatewayProc]) -> None:
+    gw = gateway_factory(extra_args=("--header-timeout-s", str(HEADER_TIMEOUT_S)))
+    chat = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+
+    # slowloris: one header byte every 0.2 s; the gateway answers 408 and closes long before the headers end
+    head, body = _request(gw, chat)
+    head = head.replace(b"\r\n\r\n", b"\r\n" + b"X-Pad: " + b"a" * 100 + b"\r\n\r\n")  # ~50 s at this pace
+    with _connect(gw) as sock:
+        cut_off = False
+        for i in range(len(head)):
+            try:
+                sock.sendall(head[i:i + 1])
+            except OSError:  # reset: the gateway closed the connection
+                cut_off = True
+                break
+            sock.settimeout(0.2)
+            try:
+                if sock.recv(65536, socket.MSG_PEEK):
+                    cut_off = True
+                    break
+            except TimeoutError:
+                continue
+            finally:
+                sock.settimeout(60)
+        assert cut_off, "the gateway kept waiting for headers sent byte by byte"
+        status, text = _read_response(sock)
+        assert status == 408 and b"headers" in text
+        assert sock.recv(65536) == b""  # and closed
+
+    # a silent connection is closed too
+    with _connect(gw) as sock:
+        status, _ = _read_response(sock)
+        assert status == 408
+
+    # headers in time, the body slowly (well within --body-timeout-s): served; then the same connection idles
+    # longer than the header deadline (but within keep-alive) and serves a second request
+    with _connect(gw) as sock:
+        head, body = _request(gw, chat)
+        sock.sendall(head)
+        for i in range(0, len(body), 8):
+            time.sleep(3 * HEADER_TIMEOUT_S / (len(body) / 8))
+            sock.sendall(body[i:i + 8])
+        status, text = _read_response(sock)
+        assert status == 200, text
+        assert json.loads(text)["choices"][0]["message"]["role"] == "assistant"
+        time.sleep(2 * HEADER_TIMEOUT_S)
+        sock.sendall(head + body)
+        status, text = _read_response(sock)
+        assert status == 200, text
+
+    # a streamed answer read more slowly than the header deadline is not cut
+    stream = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16,
+                         "stream": True}).encode()
+    with _connect(gw) as sock:
+        head, body = _request(gw, stream)
+        sock.sendall(head + body)
+        received = sock.recv(64)
+        time.sleep(2 * HEADER_TIMEOUT_S)  # a slow reader
+        while b"data: [DONE]" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, f"stream cut: {received[-300:]!r}"
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
