@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -263,6 +264,7 @@ class EngineClient:
     @staticmethod
     def _body(input_ids: list[int], params: SamplingParams, max_new_tokens: int, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
+            "rid": uuid.uuid4().hex,  # our own request id, so that the request can be aborted by it
             "input_ids": input_ids,
             "sampling_params": params.to_wire(max_new_tokens),
             "return_logprob": True,
@@ -272,33 +274,72 @@ class EngineClient:
             body["top_logprobs_num"] = params.top_logprobs
         return body
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
-        resp = await self._post("/generate", self._body(input_ids, params, max_new_tokens, False))
+    async def _abort(self, request_id: str) -> None:
+        """Abort one request (SGLang 0.5.19 ``AbortReq``: ``rid``; the embedded engine speaks it too)."""
+        await self._post("/abort_request", {"rid": request_id}, timeout=30.0)
+
+    async def _abort_unless(self, done: bool, request_id: str) -> None:
+        """Abort ``request_id`` on the engine when its reader stopped before the end (the agent went away,
+        or the turn failed elsewhere).
+
+        An engine aborts a request whose HTTP connection closes, but a cancelled reader does not reliably
+        close it: Starlette cancels the gateway's turn inside a cancel scope that also cancels httpx's close
+        of the engine connection, so the socket stayed open and the engine generated to ``max_tokens``
+        (seen live with vLLM and SGLang). The abort is sent from its own task, which that cancellation does
+        not reach."""
+        if done:
+            return
+        task = asyncio.ensure_future(self._abort(request_id))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if nobody waits
         try:
-            body = jsonio.loads(resp.content)
+            await asyncio.shield(task)
+        except GatewayError as exc:  # the engine is gone or refuses: the error that ended the reader stands
+            log.info("abort of %s on %s failed: %s", request_id, self.base_url, exc)
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
+        body = self._body(input_ids, params, max_new_tokens, False)
+        done = False
+        try:
+            resp = await self._post("/generate", body)
+            done = True
+        except (InvalidRequest, EngineError):
+            done = True  # the engine answered (with a refusal): nothing of the request runs there
+            raise
+        finally:
+            await self._abort_unless(done, body["rid"])
+        try:
+            out = jsonio.loads(resp.content)
         except ValueError as exc:
             raise EngineError(f"engine {self.base_url} answered /generate with a body that is not JSON") from exc
-        return parse_output(body)
+        return parse_output(out)
 
     async def generate_stream(
         self, input_ids: list[int], params: SamplingParams, max_new_tokens: int
     ) -> AsyncIterator[EngineOutput]:
         """Cumulative outputs as the engine streams them (SGLang's default, non-incremental mode)."""
         body = self._body(input_ids, params, max_new_tokens, True)
+        done = False
         try:
             async with self.http.stream("POST", self.base_url + "/generate", json=body,
                                         timeout=self.timeout) as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
+                    done = True  # refused: nothing runs
                     self._check(resp)
                 async for chunk in sse_json(resp, f"engine {self.base_url} sent a malformed stream chunk"):
                     if chunk is SSE_DONE:
+                        done = True
                         return
                     if isinstance(chunk, dict) and "error" in chunk:
+                        done = True  # SGLang's refusal once the stream began: the request is over
                         raise self._stream_error(chunk["error"])
-                    yield parse_output(chunk)
+                    out = parse_output(chunk)
+                    done = out.finish is not None
+                    yield out
         except httpx.HTTPError as exc:
             raise self._translate(exc) from exc
+        finally:
+            await self._abort_unless(done, body["rid"])
 
     async def health(self, *, paused: bool = False) -> bool:
         """Whether the engine serves. SGLang's ``/health`` runs a one-token generation, which waits behind

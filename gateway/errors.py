@@ -11,6 +11,7 @@
     ├── Conflict                      409     conflict_error          conflict
     ├── RequestTimeout                408     invalid_request_error   request_timeout  (body not sent in time)
     ├── PayloadTooLarge               413     invalid_request_error   payload_too_large
+    ├── ClientDisconnected            499     invalid_request_error   client_closed_request  (nobody reads it)
     ├── Overloaded                    429     rate_limit_error        staleness_budget  (Retry-After)
     ├── EngineError                   502     upstream_error          engine_error
     └── Unavailable                   503     service_unavailable     unavailable  (Retry-After: 1)
@@ -80,6 +81,13 @@ class RequestTimeout(GatewayError):
 
 class PayloadTooLarge(GatewayError):
     status, type, default_code = 413, "invalid_request_error", "payload_too_large"
+
+
+class ClientDisconnected(GatewayError):
+    """The client closed its connection before the answer was ready: the turn was cancelled (its engine
+    request aborted, nothing recorded). Only the metrics see the answer (nginx's 499)."""
+
+    status, type, default_code = 499, "invalid_request_error", "client_closed_request"
 
 
 class Overloaded(GatewayError):

@@ -23,8 +23,6 @@ routes exist only when the server runs with ``VLLM_SERVER_DEV_MODE=1``):
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,9 +32,7 @@ import httpx
 from gateway.engine_client import (SSE_DONE, EngineClient, EngineOutput, SamplingParams, _parse_version, span_versions,
                                    sse_json)
 from gateway.engines import EngineInfo
-from gateway.errors import EngineError, GatewayError
-
-log = logging.getLogger("agentrl.gateway.engine")
+from gateway.errors import EngineError
 
 # The gateway's pause modes (SGLang's names) as vLLM's: in_place and retract both keep requests inside the
 # engine until resume; abort ends them (finish_reason "abort") so the router re-sends them after resume.
@@ -135,21 +131,8 @@ class VLLMClient(EngineClient):
             body["stream_options"] = {"include_usage": True}
         return body
 
-    async def _abort_unless(self, done: bool, request_id: str) -> None:
-        """Abort ``request_id`` on vLLM when its reader stopped before the end (the agent went away).
-
-        vLLM aborts a request whose HTTP connection closes, but a cancelled reader does not reliably close
-        it: Starlette cancels the gateway's turn inside a cancel scope that also cancels httpx's close of the
-        engine stream, so the socket stayed open and vLLM generated to ``max_tokens`` (seen live). The
-        abort is sent from its own task, which that cancellation does not reach."""
-        if done:
-            return
-        task = asyncio.ensure_future(self._post("/abort_requests", {"request_ids": [request_id]}, timeout=30.0))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if nobody waits
-        try:
-            await asyncio.shield(task)
-        except GatewayError as exc:  # the engine is gone or refuses: the error that ended the reader stands
-            log.info("abort of %s on %s failed: %s", request_id, self.base_url, exc)
+    async def _abort(self, request_id: str) -> None:
+        await self._post("/abort_requests", {"request_ids": [request_id]}, timeout=30.0)
 
     async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
         body = self._body(input_ids, params, max_new_tokens, False)

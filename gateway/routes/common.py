@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -12,9 +13,10 @@ from pydantic import BaseModel, ValidationError
 from gateway import jsonio
 from gateway.binding import Caller, authenticate
 from gateway.context import services
-from gateway.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, from_validation_error
+from gateway.errors import ClientDisconnected, InvalidRequest, PayloadTooLarge, RequestTimeout, from_validation_error
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of streams
@@ -80,6 +82,34 @@ async def read_json(request: Request, model: type[M], *, allow_empty: bool = Fal
         for name in extra:
             metrics.count_unknown_field(name)
     return parsed
+
+
+async def _disconnect(request: Request) -> None:
+    """Return when the client closes its connection (the ASGI ``http.disconnect`` message). Called once
+    the body has been read: the server has nothing else to deliver before the answer is sent."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` (a whole non-streamed turn) while watching the client's connection: if the client
+    goes away first, ``work`` is cancelled, which aborts its engine requests and records nothing (a
+    streamed answer gets the same from Starlette, which stops the stream when its client disconnects), and
+    :class:`ClientDisconnected` is raised. Without this the turn would generate to ``max_tokens`` for a
+    reader that is gone."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnected("the client closed the connection before the answer was ready")
+    return task.result()
 
 
 async def caller(request: Request) -> Caller:

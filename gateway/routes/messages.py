@@ -19,7 +19,14 @@ from gateway.chat.normalize import validate_messages
 from gateway.context import services
 from gateway.errors import from_chat_error
 from gateway.formats import messages as fmt
-from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json
+from gateway.routes.common import (
+    SSE_HEADERS,
+    caller,
+    json_body,
+    json_response,
+    read_json,
+    unless_disconnected,
+)
 from gateway.service import GenerationService
 
 router = APIRouter()
@@ -38,7 +45,8 @@ async def create_message(request: Request) -> Response:
                                                        meta=fmt.recorded_meta(conv))
         stream = fmt.MessageStream(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
         return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
-    plan, runs = await service.run_turn(chat, session, id_prefix="msg_", meta=fmt.recorded_meta(conv))
+    plan, runs = await unless_disconnected(
+        request, service.run_turn(chat, session, id_prefix="msg_", meta=fmt.recorded_meta(conv)))
     return json_response(fmt.render_message(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer))
 
 

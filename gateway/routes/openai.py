@@ -14,7 +14,14 @@ from gateway.binding import session_for
 from gateway.context import services
 from gateway.errors import InvalidRequest, NotFound
 from gateway.formats import chat
-from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json
+from gateway.routes.common import (
+    SSE_HEADERS,
+    caller,
+    json_body,
+    json_response,
+    read_json,
+    unless_disconnected,
+)
 from gateway.service import GenerationService
 from gateway.wire import ChatCompletionRequest, CompletionRequest
 
@@ -35,7 +42,7 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
         plan, runs, events = await service.stream_turn(req, session)
         return StreamingResponse(stream(req, plan, runs, events, svc.model_name, svc.tokenizer),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    plan, runs = await service.run_turn(req, session)
+    plan, runs = await unless_disconnected(request, service.run_turn(req, session))
     return json_response(plain(req, plan, runs, svc.model_name, svc.tokenizer))
 
 
@@ -64,8 +71,8 @@ async def _completion_batch(request: Request, req: CompletionRequest, session: A
     service = GenerationService(svc, owner=owner)
     for i, prompt in enumerate(req.prompts):  # every prompt checked before any turn runs: all or nothing
         service.prompt_ids(prompt, param=f"prompt[{i}]")
-    turns = await asyncio.gather(*(service.run_turn(req.model_copy(update={"prompt": p}), session)
-                                   for p in req.prompts))
+    turns = await unless_disconnected(request, asyncio.gather(
+        *(service.run_turn(req.model_copy(update={"prompt": p}), session) for p in req.prompts)))
     bodies = [chat.completion_response(req, plan, runs, svc.model_name, svc.tokenizer) for plan, runs in turns]
     choices = []
     for i, body in enumerate(bodies):

@@ -17,7 +17,14 @@ from gateway.context import services
 from gateway.errors import from_store_error
 from gateway.formats import responses as fmt
 from gateway.formats.common import conversation_of, load_turn
-from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json
+from gateway.routes.common import (
+    SSE_HEADERS,
+    caller,
+    json_body,
+    json_response,
+    read_json,
+    unless_disconnected,
+)
 from gateway.service import GenerationService
 from gateway.store import errors as store_errors
 
@@ -42,7 +49,8 @@ async def create_response(request: Request) -> Response:
         stream = fmt.ResponseStream(req, conv, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
         return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
     created = time.time()
-    plan, runs = await service.run_turn(chat, session, id_prefix="resp_", meta=fmt.recorded_meta(conv))
+    plan, runs = await unless_disconnected(
+        request, service.run_turn(chat, session, id_prefix="resp_", meta=fmt.recorded_meta(conv)))
     return json_response(fmt.render_response(req, conv, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer,
                                      created))
 

@@ -44,8 +44,9 @@ class Recorder:
                 "id": "r", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 3,
                 "completion_tokens": 1, "weight_version": "default", "output_token_logprobs": [[-0.5, 5, None]]}}
             if body.get("stream"):
-                return httpx.Response(200, text=f"data: {json.dumps(out)}\n\ndata: [DONE]\n\n",
-                                      headers={"content-type": "text/event-stream"})
+                running = {**out, "meta_info": {**out["meta_info"], "finish_reason": None}}
+                return httpx.Response(200, text=f"data: {json.dumps(running)}\n\ndata: {json.dumps(out)}\n\n"
+                                      "data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
             return httpx.Response(200, json=out)
         if path == "/get_server_info":
             return httpx.Response(200, json={"tp_size": 1})
@@ -64,6 +65,7 @@ ROUTE_CLASSES = {
     "/update_weight_version": "UpdateWeightVersionReqInput",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
+    "/abort_request": "AbortReq",
 }
 
 
@@ -112,12 +114,17 @@ async def test_every_gateway_request_is_one_sglang_accepts(tokenizer) -> None:
             await client.generate([1, 2, 3], params, params.max_new_tokens)
             async for _ in client.generate_stream([1, 2, 3], params, params.max_new_tokens):
                 pass
+        dropped = client.generate_stream([1, 2, 3], full, 8)
+        assert (await anext(dropped)).finish is None
+        await dropped.aclose()  # the reader went away before the end: the request is aborted by its rid
         router = EngineRouter([client])
         await router.pause("abort")
         await router.resume(1)
         await client.update_weights_from_disk("/sync/v1", weight_version=1)
     paths = [p for p, _ in rec.bodies]
-    assert paths.count("/generate") == 4 and "/pause_generation" in paths and "/continue_generation" in paths
+    assert paths.count("/generate") == 5 and "/pause_generation" in paths and "/continue_generation" in paths
+    assert paths.count("/abort_request") == 1  # only the dropped stream
+    assert dict(rec.bodies)["/abort_request"] == {"rid": rec.bodies[paths.index("/abort_request") - 1][1]["rid"]}
     for path, body in rec.bodies:
         obj = check_with_sglang(path, body, tokenizer)
         if path == "/generate":

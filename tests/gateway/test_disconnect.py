@@ -1,0 +1,91 @@
+"""A client that goes away mid-generation aborts its engine request (live embedded engine, SGLang-native API,
+real gateway process, real openai SDK): streamed and non-streamed, the engine's running count drops to 0
+with the request counted as aborted long before ``max_tokens`` would be reached, and nothing of the turn is
+recorded (a disconnected turn leaves no row; its session stays as it was and serves the next turn)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import GatewayProc
+
+MAX_TOKENS = 1800  # forced (min_tokens): a full generation takes many seconds on the tiny model
+
+
+def _engine_state(engine: str) -> dict[str, Any]:
+    state: dict[str, Any] = httpx.get(engine + "/get_server_info", timeout=30).json()["internal_states"][0]
+    return state
+
+
+def _wait_started(engine: str, generated_before: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = _engine_state(engine)
+        if state["num_running_reqs"] and state["generated_tokens"] > generated_before:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the engine never started the request")
+
+
+def _wait_idle(engine: str) -> dict[str, Any]:
+    """The engine's state once nothing runs (bounded by how long a full generation would take and more)."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        state = _engine_state(engine)
+        if not state["num_running_reqs"] and not state["num_waiting_reqs"]:
+            return state
+        time.sleep(0.05)
+    raise AssertionError("the engine kept running the request")
+
+
+def _turns(gw: GatewayProc, session_id: str) -> int:
+    with gw.admin() as admin:
+        tree = admin.get(f"/v1/sessions/{session_id}").json()
+    return int(tree["num_interactions"])
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
+def test_a_client_that_disconnects_aborts_the_engine_request_and_records_nothing(
+        gateway_factory: Callable[..., GatewayProc], stream: bool) -> None:
+    gw = gateway_factory()
+    engine = gw.engine_urls[0]
+    session = gw.create_session(group_id="gone")
+    before = _engine_state(engine)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me everything"}],
+            "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS}
+    if stream:
+        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=session["api_key"], max_retries=0,
+                               timeout=120)
+        chunks = client.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=MAX_TOKENS,
+                                                stream=True, extra_body={"min_tokens": MAX_TOKENS})
+        for i, _ in enumerate(chunks):
+            if i == 3:
+                break
+        chunks.close()  # the agent goes away mid-stream
+    else:  # the agent gives up once the engine works on its request: it closes the connection
+        payload = json.dumps(body).encode()
+        host, port = gw.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer "
+                         f"{session['api_key']}\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            _wait_started(engine, before["generated_tokens"])
+    after = _wait_idle(engine)
+    generated = after["generated_tokens"] - before["generated_tokens"]
+    assert after["aborted_requests"] == before["aborted_requests"] + 1, (before, after)
+    assert 0 < generated < MAX_TOKENS / 2, generated  # (the gateway's health probes add a token each)
+    assert _turns(gw, session["session_id"]) == 0  # nothing partial recorded
+
+    # the session serves its next turn as if nothing happened
+    client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=session["api_key"], max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=3)
+    assert reply.choices[0].message.role == "assistant"
+    assert _turns(gw, session["session_id"]) == 1
