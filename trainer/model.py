@@ -85,12 +85,22 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device
     return install(model)
 
 
-def compile_body(model: torch.nn.Module) -> None:
+def compile_body(model: torch.nn.Module, *, whole_layers: bool = False) -> None:
     """``torch.compile`` each decoder layer's attention block, MLP and norms, with dynamic shapes.
 
     The FSDP2 units (whole layers) keep their hooks eager; only their children are compiled, so a new
     micro-batch shape does not recompile (dynamic=True) and FSDP's all-gathers stay outside the graphs.
+    ``whole_layers`` (one rank only, where the layers are no FSDP units): each decoder layer is compiled as
+    one graph (residual adds, rotary embedding and attention glue fused too; ``bench/trainer.py`` variant
+    ``ours-layers``).
     """
+    if whole_layers:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError("whole-layer compile is for one rank: the layers of several ranks are FSDP units")
+        for layer in model.model.layers:
+            layer.compile(dynamic=True)
+        model.model.norm.compile(dynamic=True)
+        return
     for layer in model.model.layers:
         for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
             part = getattr(layer, name, None)
