@@ -6,7 +6,7 @@
 #   3. the GPU tests (marked; skipped on CPU)
 #   4. trainer throughput on the uniform batch, with a profile (bench/trainer.py)
 # Needs the project's missing wheels installed (scripts/offline_gpu.sh receive PART_DIR, done here when a
-# part directory is given). Outputs (tables, JSON, logs) are packed into bench.tgz in $OUT (or $2): one file,
+# part directory is given; a PART_DIR/home folder is copied into $AGENTRL_HOME). Outputs (tables, JSON, logs) are packed into bench.tgz in $OUT (or $2): one file,
 # because the device tool brings back at most 8.
 #
 #   scripts/gpu_bench.sh [PART_DIR] [OUT_DIR]
@@ -17,6 +17,10 @@ out=/tmp/agentrl-gpu-bench-work
 rm -rf "$out" && mkdir -p "$out" "$dest"
 trap 'tar czf "$dest/bench.tgz" -C "$out" . && ls -la "$out"' EXIT
 if [ -n "${1:-}" ]; then bash "$here/scripts/offline_gpu.sh" receive "$1" || exit 1; fi
+# SmolLM2's tokenizer (the bench models use it) before the model's last part has arrived: a copy of
+# $AGENTRL_HOME/tokenizers/smollm2 from the packing machine, shipped as PART_DIR/home/tokenizers/smollm2
+home=${AGENTRL_HOME:-$HOME/.cache/agentrl}
+if [ -n "${1:-}" ] && [ -d "$1/home" ]; then mkdir -p "$home" && cp -r "$1/home/." "$home/"; fi
 export PYTHONPATH="$here:${SITE:-/tmp/agentrl-site}" PYTHONUNBUFFERED=1
 cd "$here"
 part() {  # NAME SECONDS CMD...

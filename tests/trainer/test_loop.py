@@ -225,3 +225,17 @@ def test_a_trainer_waiting_over_a_minute_logs_why(caplog):
         later = explain_wait(leases, now - 61, now - 61)
     assert later >= now and seen == ["/v1/trajectories/stats"]
     assert "no data for 61 s: " + why in caplog.text
+
+
+def test_release_memory_frees_the_engines_during_the_step_and_takes_it_back_before_the_push(tmp_path, dist_info):
+    gw = FakeGateway([synthetic_rows(2, 3, seed=1)])
+    state = train(_settings(tmp_path, steps=1, sync_mode="disk", release_memory="all"), http=gw.client())
+    assert state.step == 1
+    calls = [path for path, _ in gw.admin if path not in ("/admin/engines", "/admin/trainer", "/get_model_info")]
+    assert calls == ["/admin/pause", "/release_memory_occupation", "/resume_memory_occupation", "/admin/pause",
+                     "/update_weights_from_disk", "/admin/resume"], calls
+    bodies = dict(gw.admin)
+    assert bodies["/release_memory_occupation"] == bodies["/resume_memory_occupation"] == {
+        "tags": ["kv_cache", "weights", "cuda_graph"]}
+    (metrics,) = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["engine/release_s"] >= 0 and metrics["engine/resume_memory_s"] >= 0
