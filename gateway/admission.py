@@ -15,11 +15,21 @@ import inspect
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 
 class Admission(Protocol):
     async def reserve(self, n: int, *, metadata: dict[str, Any] | None = None) -> int:
         """Charge ``n`` new sessions (all or none) and return how many were charged: 0 for eval sessions
         (``metadata.eval``) and when nothing is counted. Raise ``Overloaded`` if they do not fit."""
+
+    async def settle(self) -> None:
+        """Let trainer updates posted just before land; call before opening the transaction of
+        :meth:`reserve_in` (``reserve`` does it itself)."""
+
+    async def reserve_in(self, conn: AsyncConnection, n: int, *, metadata: dict[str, Any] | None = None) -> int:
+        """As ``reserve``, inside the caller's open transaction on the store's database: the charge commits
+        or rolls back with that transaction, so nothing needs to be given back on failure."""
 
     async def release(self, n: int) -> None:
         """Give back ``n`` charged sessions that were not created or will never be trained."""
@@ -43,6 +53,12 @@ class AlwaysAdmit:
         self.trainer: dict[str, Any] | None = None
 
     async def reserve(self, n: int, *, metadata: dict[str, Any] | None = None) -> int:
+        return 0
+
+    async def settle(self) -> None:
+        return None
+
+    async def reserve_in(self, conn: AsyncConnection, n: int, *, metadata: dict[str, Any] | None = None) -> int:
         return 0
 
     async def release(self, n: int) -> None:

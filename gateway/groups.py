@@ -11,6 +11,10 @@ ONE decision for all of its places:
   (``metadata.group_size``, else the gateway's ``group_size``) and reserves its places; the group's later
   sessions take a reserved place and are never refused. A session beyond the reserved places starts the
   next group of that id (charged again). Without a ``group_id`` a session is a group of one.
+  Finding a free place, charging and adding places are ONE store transaction with the group row locked
+  (``Store.join_group``; the budget is a row of the same database), so concurrent first sessions of a
+  group make exactly one admission decision: one charges, the others take its places (before, each
+  charged a whole group: 429s for sessions of an admitted group and places charged until the timeout).
 * Whatever was charged is given back if creating the sessions then fails.
 
 A place is given back when its session is abandoned (``POST /v1/sessions/{id}/abandon``,
@@ -84,26 +88,19 @@ async def create_session(svc: Services, *, group_id: str | None, task_id: str | 
             except BaseException:
                 await svc.admission.release(charged)
                 raise
-        found = await store.join_group(group_id=group_id, size=0, task_id=task_id, metadata=meta)
-        if found is not None:
-            return found
         size = target_size(meta, svc.settings.group_size)
+        await svc.admission.settle()
+
+        async def charge(conn: Any, n: int) -> int:
+            return int(await svc.admission.reserve_in(conn, n, metadata=meta))
+
         for _ in range(3):
-            charged = await svc.admission.reserve(size, metadata=meta)
             try:
-                made = await store.join_group(group_id=group_id, size=size, add_places=size, task_id=task_id,
-                                              metadata=meta)
-            except store_errors.Conflict:  # another request created the group's row at the same moment
-                await svc.admission.release(charged)
-                found = await store.join_group(group_id=group_id, size=0, task_id=task_id, metadata=meta)
-                if found is not None:
-                    return found
+                made = await store.join_group(group_id=group_id, size=size, task_id=task_id, metadata=meta,
+                                              charge=charge)
+            except store_errors.Conflict:  # another request created the group's row at that moment: join it
                 continue
-            except BaseException:
-                await svc.admission.release(charged)
-                raise
-            if made is None:  # cannot happen: the places were just added
-                await svc.admission.release(charged)
+            if made is None:  # cannot happen: with a charge, join_group adds places when none is free
                 raise errors.Conflict(f"group {group_id} is not open for new sessions")
             return made
         raise errors.Conflict(f"group {group_id} is being created concurrently; retry")

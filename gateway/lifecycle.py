@@ -264,6 +264,10 @@ class InFlight:
         return out
 
 
+def _is_eval(metadata: dict[str, Any] | None) -> bool:
+    return bool(metadata and metadata.get("eval") is True)
+
+
 class StalenessAdmission:
     """The gateway's admission hook (``gateway.admission.Admission``) backed by :class:`StalenessControl`."""
 
@@ -283,7 +287,13 @@ class StalenessAdmission:
 
     async def reserve(self, n: int, *, metadata: dict[str, Any] | None = None) -> int:
         await self._settle()
-        return await self.service.staleness.admit(n=n, is_eval=bool(metadata and metadata.get("eval") is True))
+        return await self.service.staleness.admit(n=n, is_eval=_is_eval(metadata))
+
+    async def settle(self) -> None:
+        await self._settle()
+
+    async def reserve_in(self, conn: Any, n: int, *, metadata: dict[str, Any] | None = None) -> int:
+        return await self.service.staleness.admit_in(conn, n=n, is_eval=_is_eval(metadata))
 
     async def release(self, n: int) -> None:
         await self.service.staleness.release(n)

@@ -31,7 +31,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway import errors
 from gateway.queue import metadata
@@ -166,18 +166,26 @@ class StalenessControl:
         bigger than that would wait forever)."""
         if is_eval or n <= 0:
             return 0
-        t = trainer_table
-        limit = (t.c.staleness_bound + t.c.version - t.c.base_version + 1) * t.c.batch_size * t.c.group_size
         try:
             async with self.engine.begin() as conn:
-                done = await conn.execute(
-                    t.update().where(t.c.id == _ROW, t.c.admitted + n <= limit).values(admitted=t.c.admitted + n)
-                )
-                if done.rowcount:
-                    return n
-                state = _state((await conn.execute(sa.select(t).where(t.c.id == _ROW))).first())
+                return await self.admit_in(conn, n=n)
         except SQLAlchemyError as exc:
             raise _unavailable(exc) from exc
+
+    async def admit_in(self, conn: AsyncConnection, *, n: int = 1, is_eval: bool = False) -> int:
+        """:meth:`admit` on the caller's open transaction ``conn`` (on this database): the count commits
+        or rolls back with it. Database errors are raised as they come (the caller's store translates
+        them)."""
+        if is_eval or n <= 0:
+            return 0
+        t = trainer_table
+        limit = (t.c.staleness_bound + t.c.version - t.c.base_version + 1) * t.c.batch_size * t.c.group_size
+        done = await conn.execute(
+            t.update().where(t.c.id == _ROW, t.c.admitted + n <= limit).values(admitted=t.c.admitted + n)
+        )
+        if done.rowcount:
+            return n
+        state = _state((await conn.execute(sa.select(t).where(t.c.id == _ROW))).first())
         if state is None:
             return 0  # no trainer registered: nothing to stay within
         window = (state.staleness_bound + 1) * state.batch_size * state.group_size

@@ -358,12 +358,20 @@ class Store:
         return group_from_row(group_row), await self._cache_new_sessions(made)
 
     async def join_group(
-        self, *, group_id: str, size: int, add_places: int = 0, task_id: str | None = None,
-        metadata: dict[str, Any] | None = None,
+        self, *, group_id: str, size: int, task_id: str | None = None, metadata: dict[str, Any] | None = None,
+        charge: Callable[[AsyncConnection, int], Awaitable[int]] | None = None,
     ) -> SessionRecord | None:
-        """A new session in a free place of group ``group_id``, after adding ``add_places`` places (that
-        the caller charged to the budget; the group row is created with ``size`` if missing). None, and
-        nothing changed, when no place is free. Conflict when two callers create the same group at once."""
+        """A new session in a free place of group ``group_id``; ONE transaction decides.
+
+        With a place free, the session takes it (nothing is charged). With none (no group row yet, every
+        place taken, or the group closed) and no ``charge``: None, nothing changed. Otherwise the group gets
+        a new batch of places (``size`` for a new row, the row's own size after that), paid for by
+        ``await charge(conn, places)`` on this transaction's connection (the staleness budget lives in the
+        same database), so the charge commits or rolls back with the places: an exception from ``charge``
+        (a 429) leaves nothing changed. The group row is locked (PostgreSQL ``FOR UPDATE``; SQLite has one
+        writer), so of concurrent first sessions exactly one charges and the others take its places.
+        Conflict when two callers insert the same new group row at once (PostgreSQL): the loser's
+        transaction is rolled back whole, charge included; retry and it finds the row."""
         g, s = schema.groups, schema.sessions
         row, api_key = _new_session_row(group_id=group_id, task_id=task_id, metadata=metadata)
         async with self._write_tx() as conn:
@@ -371,21 +379,22 @@ class Store:
             if not self._is_sqlite:
                 query = query.with_for_update()
             found = (await conn.execute(query)).mappings().first()
-            if found is None:
-                if not add_places:
-                    return None
-                group = {"id": group_id, "size": size, "places": 0, "created": 0, "status": "open",
-                         "task_id": task_id, "meta": dict(metadata or {}), "created_at": time.time()}
-                await conn.execute(sa.insert(g).values(**group))
-                current = group_from_row(group)
-            else:
-                current = group_from_row(found)
-            places = current.places + add_places
-            status = "open" if add_places else current.status
-            if status != "open" or current.created >= places:
+            current = group_from_row(found) if found is not None else None
+            if current is not None and not current.sealed:
+                values: dict[str, Any] = {"created": current.created + 1}
+            elif charge is None:
                 return None
-            await conn.execute(sa.update(g).where(g.c.id == group_id)
-                               .values(places=places, status=status, created=current.created + 1))
+            else:
+                if current is None:
+                    new = {"id": group_id, "size": size, "places": 0, "created": 0, "status": "open",
+                           "task_id": task_id, "meta": dict(metadata or {}), "created_at": time.time()}
+                    # inserted before the charge: a concurrent creator of the same id waits on this row
+                    # (PostgreSQL) and then fails with Conflict instead of charging too
+                    await conn.execute(sa.insert(g).values(**new))
+                    current = group_from_row(new)
+                await charge(conn, current.size)
+                values = {"places": current.created + current.size, "status": "open", "created": current.created + 1}
+            await conn.execute(sa.update(g).where(g.c.id == group_id).values(**values))
             await conn.execute(sa.insert(s).values(**row))
         return (await self._cache_new_sessions([(row, api_key)]))[0]
 
