@@ -13,8 +13,9 @@ Groups are reserved whole through `agentrl.client` (one admission decision per g
 briefly down (connection refused, 502/503/504) or refuse a group with 429 while the trainer is behind (the
 staleness budget): both are retried with exponential backoff, honouring ``Retry-After``, for up to
 ``gateway_wait_s`` / ``admission_wait_s``; the progress bar shows the counts. When the gateway stays down,
-`GatewayUnavailable` ends the run. An episode whose model call fails for
-good (e.g. a 400) is counted as failed, its session is finished, and the run goes on.
+`GatewayUnavailable` ends the run. An episode that fails (a model call
+that fails for good, e.g. a 400, or an exception in the agent's own code) is counted as failed, its
+session is abandoned (never trained on; its place in the staleness budget is freed), and the run goes on.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 import httpx2
-import openai
-from openai import AsyncOpenAI
 from tqdm import tqdm
 
 from agentrl.client import AsyncEpisode, AsyncGateway, GatewayError, GatewayUnavailable
@@ -59,7 +58,8 @@ class Counters:
 
 @dataclass(frozen=True)
 class EpisodeRecord:
-    """One finished session, handed to ``run_agents(on_episode=...)``; ``episode`` is None if it failed."""
+    """One ended session, handed to ``run_agents(on_episode=...)``; ``episode`` is None if it failed (the
+    session was then abandoned)."""
 
     sample: Sample
     session_id: str
@@ -148,15 +148,18 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
                 else:
                     episode = await run_tool_agent(client, sample, tools=tools, **common)
             except GatewayUnavailable:
-                raise  # ends the run; finishing would only wait for the same dead gateway
-            except (openai.APIError, GatewayError) as exc:
-                log.warning("episode of %s in session %s failed: %s", sample.id, session.session_id, exc)
-            try:  # a failed episode is finished too: its recorded turns are still data
-                await session.finish()
+                raise  # ends the run; abandoning would only wait for the same dead gateway
+            except Exception as exc:  # noqa: BLE001 - the episode's own failure: counted, run goes on
+                log.warning("episode of %s failed (session %s abandoned): %r", sample.id, session.session_id, exc)
+            # as agentrl.client's `async with episode`: finished on success, abandoned on a failure (a
+            # failed episode is never trained on, and its place in the budget is freed at once)
+            try:
+                await (session.finish() if episode is not None else session.abandon())
             except GatewayUnavailable:
                 raise
             except GatewayError as exc:
-                log.warning("could not finish session %s: %s", session.session_id, exc)
+                log.warning("could not %s session %s: %s", "finish" if episode else "abandon",
+                            session.session_id, exc)
             if episode is None:
                 tally.failed += 1
             else:

@@ -192,6 +192,35 @@ def test_cli_prints_the_summary(gateway, capsys, agent):
     assert summary["agent"] == agent and 1.0 <= summary["mean_turns"] <= (2 if agent == "math" else 4)
 
 
+async def test_runner_abandons_failed_episodes_and_goes_on(gateway):
+    """A failed episode abandons its session (never trained on; its place comes back), as agentrl.client
+    does for an exception; the others are finished and the run goes on. Two real failures: the gateway's
+    400 for a prompt that cannot fit the context, and an exception in the agent's own code path (a reward
+    function that is not module-level: `RewardPool.score` raises ValueError inside the episode)."""
+    records: list[EpisodeRecord] = []
+    settings = RunnerSettings(gateway=gateway.base_url, admin_key=gateway.admin_key, dataset="synthetic:1",
+                              group_size=2, concurrency=4, max_tokens=4, eval=True, progress=False)
+    settings.validate()
+    too_long = Sample("q-too-long", "What is 1 + 1? " * 40_000, "2")
+    summary = await run_agents(settings, samples=[too_long, UNREACHABLE], on_episode=records.append)
+    assert (summary["sessions"], summary["episodes"], summary["failed"]) == (4, 2, 2)
+    status = {r.session_id: tree(gateway, r.session_id)["session"]["status"] for r in records}
+    for r in records:
+        assert status[r.session_id] == ("abandoned" if r.sample.id == "q-too-long" else "finished"), (r, status)
+        assert (r.episode is None) == (r.sample.id == "q-too-long")
+
+    def not_module_level(completion: str, reference: str) -> float:
+        return 1.0
+
+    records.clear()
+    summary = await run_agents(settings, samples=[UNREACHABLE], reward_fn=not_module_level,
+                               on_episode=records.append)
+    assert (summary["sessions"], summary["episodes"], summary["failed"]) == (2, 0, 2)
+    for r in records:
+        recorded = tree(gateway, r.session_id)
+        assert recorded["session"]["status"] == "abandoned" and recorded["num_interactions"] == 1
+
+
 async def test_runner_groups_reach_the_trainer_as_complete_groups(gateway):
     """A non-eval run's G sessions per prompt come out of GET /v1/trajectories as one group of G rows, each
     row the session's whole correction path with the agent's per-turn rewards and response ids."""
