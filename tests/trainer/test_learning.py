@@ -55,10 +55,6 @@ def wait_version(gw, version: int, trainer, timeout_s: float = 120.0) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="KNOWN BUG (2026-12-01, open in issues 12/13): sixteen POST /v1/sessions for two new groups "
-                  "sent at once get 429s that Retry-After does not clear (seen in 2 of 3 full-path runs): the "
-                  "concurrent first sessions of a group each reserve the whole group before one of them wins "
-                  "(gateway/groups.py create_session), and the budget stays charged; to be fixed, then unskipped")
 def test_mean_reward_rises_through_the_full_path(gateway_factory, monkeypatch, tmp_path, engine_url):
     monkeypatch.setenv("AGENTRL_GATEWAY_GROUP_SIZE", str(GROUP_SIZE))
     monkeypatch.setenv("AGENTRL_GATEWAY_TICK_S", "0.1")
