@@ -29,6 +29,11 @@ process holding the lock ``<prefix>lifecycle:leader``, taken or renewed atomical
 
 Eval sessions (``metadata.eval``) are never exported (they still finish on idle).
 
+A tick reads only the groups where something can happen (``Store.lifecycle_sessions``: a finished session,
+or an active one idle past the idle or group timeout, and then the whole group), never the finished history
+or the busy groups: its cost follows what is ready, not how much was recorded (``bench/soak.py`` times it
+at 1k and 100k finished sessions).
+
 :class:`TrajectoryService` is what the routes call: lease a batch, ack, stats; :class:`InFlight` tracks
 turns in flight per session.
 """
@@ -169,6 +174,7 @@ class ExportStats:
     groups_acked: int = 0
     ticks: int = 0
     tick_errors: int = 0
+    last_tick_ms: float = 0.0  # wall time of the last complete tick (bench/soak.py reports it)
 
 
 class InFlight:
@@ -451,8 +457,12 @@ class TrajectoryService:
         if not await self._is_leader():
             return
         self.stats.ticks += 1
+        started = time.perf_counter()
         now = time.time() if now is None else now
-        live = await self.store.list_sessions(status=["active", "finished"])
+        # Only groups where something can happen: a finished session, or one idle past the idle or the
+        # group timeout (the rest of the live sessions, and all of the history, stay in SQL).
+        quiet = now - min(self.settings.idle_timeout_s, self.settings.group_timeout_s)
+        live = await self.store.lifecycle_sessions(quiet_before=quiet)
         busy = await self.inflight.busy([s.id for s in live])
         live = [await self._maybe_finish_idle(s, now, busy) for s in live]
         groups: dict[str, list[SessionRecord]] = defaultdict(list)
@@ -473,15 +483,18 @@ class TrajectoryService:
                 await self._consider(chunk, size, row, now, busy)
 
         await asyncio.gather(*(consider(chunk, size, row) for chunk, size, row in chunks))
-        await self._close_deserted(set(groups), now)
+        await self._close_deserted(now)
         await self._upkeep()
+        self.stats.last_tick_ms = (time.perf_counter() - started) * 1000
 
-    async def _close_deserted(self, live_groups: set[str], now: float) -> None:
+    async def _close_deserted(self, now: float) -> None:
         """Give back the unused places of groups none of whose sessions is left (all abandoned or exported
         while places were still free), once they are older than the group timeout."""
         unused = 0
-        for group in await self.store.open_groups(created_before=now - self.settings.group_timeout_s):
-            if group.id not in live_groups:
+        old = await self.store.open_groups(created_before=now - self.settings.group_timeout_s)
+        live = await self.store.live_group_ids(group_ids=[g.id for g in old])
+        for group in old:
+            if group.id not in live:
                 unused += await self.store.close_group(group_id=group.id, status="closed")
         if unused:
             await self.staleness.release(unused)

@@ -602,6 +602,31 @@ class Store:
             rows = (await conn.execute(query)).mappings().all()
         return [session_from_row(row) for row in rows]
 
+    async def lifecycle_sessions(self, *, quiet_before: float) -> list[SessionRecord]:
+        """What one lifecycle tick must look at, selected in SQL so that the finished history is never read:
+        every active or finished session of each group id that has a finished session, or an active one
+        with no activity after ``quiet_before`` (idle-finish and group-timeout candidates), oldest first.
+        A group id is returned whole (all its live sessions), so that it is cut into GRPO groups as the
+        full list would be."""
+        s = schema.sessions
+        hot = sa.select(s.c.group_id).where(sa.or_(
+            s.c.status == "finished", sa.and_(s.c.status == "active", s.c.last_activity_at <= quiet_before)))
+        query = (sa.select(s).where(s.c.status.in_(("active", "finished")), s.c.group_id.in_(hot))
+                 .order_by(s.c.created_at, s.c.id))
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [session_from_row(row) for row in rows]
+
+    async def live_group_ids(self, *, group_ids: Collection[str]) -> set[str]:
+        """The ids among ``group_ids`` that still have an active or finished session."""
+        if not group_ids:
+            return set()
+        s = schema.sessions
+        query = sa.select(s.c.group_id).distinct().where(s.c.group_id.in_(list(group_ids)),
+                                                         s.c.status.in_(("active", "finished")))
+        async with self._read() as conn:
+            return {row[0] for row in (await conn.execute(query)).all()}
+
     # ---- turns ----
     async def find_parent(
         self, *, session_id: str, candidates: Sequence[tuple[int, str]]

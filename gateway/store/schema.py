@@ -1,5 +1,5 @@
 """SQLAlchemy Core tables of the store, as created by Alembic revisions ``0001_initial`` and
-``0003_session_browse_indexes`` (browsing indexes).
+``0003_session_browse_indexes`` (browsing indexes), ``0004_groups`` and ``0005_lifecycle_indexes``.
 
 The migration, not ``metadata.create_all``, creates them; these definitions are what the queries use and
 must match the migration (a test compares them). Times are unix seconds (float); token arrays are packed
@@ -30,6 +30,7 @@ sessions = sa.Table(
     sa.Column("last_activity_at", sa.Float, nullable=False),
     sa.Index("ix_sessions_created_id", "created_at", "id"),  # 0003: newest-first keyset browsing
     sa.Index("ix_sessions_status_created", "status", "created_at", "id"),
+    sa.Index("ix_sessions_status_activity", "status", "last_activity_at"),  # 0005: the lifecycle tick
 )
 
 interactions = sa.Table(
@@ -83,4 +84,5 @@ groups = sa.Table(
     sa.Column("task_id", sa.String(255), nullable=True),
     sa.Column("metadata", sa.JSON, nullable=False, key="meta"),
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Index("ix_session_groups_status_created", "status", "created_at"),  # 0005: open groups per tick
 )

@@ -1,0 +1,282 @@
+"""Soak: 1,000 concurrent simulated agents for 2 minutes, and the lifecycle tick at 1k vs 100k finished sessions.
+
+1. **Soak.** One gateway process (PostgreSQL + Redis by default, ``--db sqlite`` for SQLite) over the
+   instant stand-in upstream; ``wrk`` runs ``--agents`` connections, each an agent running 20-turn sessions
+   with a growing history (``bench/wrk/chat.lua``, one connection per wrk thread), in implicit mode, for
+   ``--seconds`` (120). Reported: requests, errors (must be 0: connect/read/write errors, timeouts, non-200
+   answers), the gateway's RSS right after the warm-up (``--warmup``, 20 s) and at the end (target: within
+   10%), and the lifecycle's last tick time during the load.
+2. **Tick vs history.** In this process, on a fresh SQLite file and a fresh PostgreSQL database (+ Redis):
+   seed finished (consumed) sessions with bulk SQL (each with one turn and, every 8th, a closed group),
+   plus 1,000 live active sessions, and time ``TrajectoryService.tick()`` at 1k and at 100k finished
+   sessions (median of ``--ticks``). Every SELECT the tick ran is shown with its plan (``EXPLAIN`` /
+   ``EXPLAIN QUERY PLAN``): a scan of ``sessions``, ``interactions`` or ``session_groups`` would read the
+   history at every tick.
+
+    python bench/soak.py [--agents 1000] [--seconds 120] [--skip-soak] [--skip-tick] [--history 1000,100000]
+
+Writes ``docs/bench/soak.json`` (``--out DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # before bench/, whose gateway.py would shadow the gateway package
+
+from agentrl.procs import Processes  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+
+
+def _bench() -> Any:
+    """bench/gateway.py's helpers (its file name is the gateway package's; load it under another name)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gateway", REPO / "bench" / "gateway.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gateway"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# ------------------------------------------------------------------------------------------ soak
+
+def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from engine.models import tiny_dir
+
+    out: dict[str, Any] = {"agents": args.agents, "seconds": args.seconds, "warmup_s": args.warmup,
+                           "db": args.db, "load_before": bench.loadavg()}
+    with Processes(work / "logs") as procs, bench.pg_database("soak") as pg:
+        up_port = free_port()
+        upstream = f"http://127.0.0.1:{up_port}"
+        child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
+                                        "--tokenizer", str(tiny_dir())])
+        procs.wait_healthy(child, upstream + "/health", timeout_s=120)
+        prefix = f"agentrl-soak:{uuid.uuid4().hex[:8]}:"
+        if args.db == "sqlite":
+            db, extra = f"sqlite+aiosqlite:///{work}/soak.db", []
+        else:
+            db, extra = pg, ["--redis", bench.REDIS_URL, "--redis-prefix", prefix]
+        base, pid = bench.start_gateway(procs, "gateway", upstream, db, *extra)
+        samples: list[tuple[float, float]] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            t0 = time.monotonic()
+            while not stop.is_set():
+                samples.append((time.monotonic() - t0, rss_mb(pid)))
+                stop.wait(1.0)
+
+        out["rss_idle_mb"] = rss_mb(pid)
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        argv = bench.wrk_argv(base + "/v1/chat/completions", concurrency=args.agents, duration_s=args.seconds,
+                              mode="session", turns=args.turns, stream=False, key=bench.AGENT,
+                              tag=uuid.uuid4().hex[:6], timeout_s=120)
+        print(f"soak: {args.agents} agents x {args.turns}-turn sessions for {args.seconds:g} s on {args.db} ...",
+              flush=True)
+        try:
+            result = bench.run_wrk(argv, timeout_s=args.seconds + 300)
+        finally:
+            stop.set()
+            sampler.join()
+        out["rss_end_mb"] = rss_mb(pid)
+        stats = httpx.get(base + "/v1/trajectories/stats", headers={"Authorization": f"Bearer {bench.ADMIN}"},
+                          timeout=60).json()
+        out["last_tick_ms_under_load"] = stats["stats"]["last_tick_ms"]
+        out["store"] = bench.recorded(db)
+        if args.db != "sqlite":
+            bench.clear_redis_prefix(prefix)
+    after = [mb for t, mb in samples if t >= args.warmup]
+    out.update(wrk=result, rss_after_warmup_mb=after[0] if after else None,
+               rss_last_sample_mb=samples[-1][1] if samples else None, rss_max_mb=max(mb for _, mb in samples),
+               rss_samples=samples[:: max(1, len(samples) // 60)], load_after=bench.loadavg())
+    if out["rss_after_warmup_mb"]:
+        out["rss_growth"] = out["rss_last_sample_mb"] / out["rss_after_warmup_mb"] - 1
+    return out
+
+
+# ------------------------------------------------------------------------------------------ tick vs history
+
+SEED_SESSIONS = """
+WITH RECURSIVE g(x) AS (SELECT CAST(:lo AS INTEGER) UNION ALL SELECT x + 1 FROM g WHERE x < CAST(:hi AS INTEGER))
+INSERT INTO sessions (id, key_hash, group_id, task_id, metadata, status, is_eval, reward, version, created_at,
+                      finished_at, last_activity_at)
+SELECT CAST(:p AS VARCHAR) || x, CAST(:p AS VARCHAR) || 'k' || x, CAST(:p AS VARCHAR) || 'g' || (x / 8), NULL, '{}', CAST(:status AS VARCHAR), false, 1.0, 3,
+       CAST(:t0 AS FLOAT) + x * 0.001, CASE WHEN CAST(:status AS VARCHAR) = 'consumed' THEN CAST(:t0 AS FLOAT) + x * 0.001 + 5 ELSE NULL END, CAST(:t0 AS FLOAT) + x * 0.001 + 5
+FROM g
+"""
+SEED_TURNS = """
+WITH RECURSIVE g(x) AS (SELECT CAST(:lo AS INTEGER) UNION ALL SELECT x + 1 FROM g WHERE x < CAST(:hi AS INTEGER))
+INSERT INTO interactions (id, session_id, parent_id, created_at, request, response_message, prompt_ids, bridge_len,
+                          output_ids, output_logprobs, output_versions, finish_reason, reward, chain_hash,
+                          request_hash, root_reason, timings)
+SELECT CAST(:p AS VARCHAR) || 't' || x, CAST(:p AS VARCHAR) || x, NULL, CAST(:t0 AS FLOAT) + x * 0.001, '{}', '{}', :blob, 0, :blob, :blob, :blob, 'stop', 1.0,
+       CAST(:p AS VARCHAR) || 'c' || x, CAST(:p AS VARCHAR) || 'r' || x, 'first_turn', '{}'
+FROM g
+"""
+SEED_GROUPS = """
+WITH RECURSIVE g(x) AS (SELECT CAST(:lo AS INTEGER) UNION ALL SELECT x + 1 FROM g WHERE x < CAST(:hi AS INTEGER))
+INSERT INTO session_groups (id, size, places, created, status, task_id, metadata, created_at)
+SELECT CAST(:p AS VARCHAR) || 'g' || x, 8, 8, 8, 'closed', NULL, '{}', CAST(:t0 AS FLOAT) + x * 0.008 FROM g
+"""
+
+
+async def seed(store: Any, lo: int, hi: int, *, prefix: str, status: str, t0: float, groups: bool) -> None:
+    import sqlalchemy as sa
+
+    params = {"lo": lo, "hi": hi, "p": prefix, "t0": t0}
+    async with store.engine.begin() as conn:
+        await conn.execute(sa.text(SEED_SESSIONS), {**params, "status": status})
+        if status == "consumed":
+            await conn.execute(sa.text(SEED_TURNS), {**params, "blob": b"\x01\x00\x00\x00"})
+        if groups:
+            await conn.execute(sa.text(SEED_GROUPS), {**params, "lo": lo // 8 + 1, "hi": hi // 8})
+
+
+def capture_selects(store: Any) -> list[tuple[str, Any]]:
+    """Every SELECT run on the store's engines from now on, with its parameters."""
+    from sqlalchemy import event
+
+    seen: list[tuple[str, Any]] = []
+
+    def before(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            seen.append((statement, parameters))
+
+    for engine in {id(store._engine): store._engine, id(store.engine): store.engine}.values():
+        event.listen(engine.sync_engine, "before_cursor_execute", before)
+    return seen
+
+
+async def explain(store: Any, statements: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    sqlite = store.engine.dialect.name == "sqlite"
+    plans = []
+    seen_sql = set()
+    for statement, params in statements:
+        if statement in seen_sql or "FROM" not in statement.upper():
+            continue
+        seen_sql.add(statement)
+        async with store.engine.connect() as conn:
+            prefix = "EXPLAIN QUERY PLAN " if sqlite else "EXPLAIN "
+            rows = (await conn.exec_driver_sql(prefix + statement, params)).all()
+        plan = [str(r[-1]) if sqlite else str(r[0]) for r in rows]
+        text = " ".join(plan)
+        scans = [t for t in ("sessions", "interactions", "session_groups")
+                 if (f"SCAN {t}" in text and f"SCAN {t} USING" not in text) or f"Seq Scan on {t}" in text]
+        plans.append({"sql": " ".join(statement.split())[:300], "plan": plan, "history_scans": scans})
+    return plans
+
+
+async def tick_vs_history(db: str, redis_url: str | None, history: list[int], ticks: int, live: int) -> dict[str, Any]:
+    from gateway.lifecycle import ExportSettings, TrajectoryService
+    from gateway.store import Store
+
+    prefix = f"agentrl-soak-tick:{uuid.uuid4().hex[:8]}:"
+    store = await Store.open(db, redis_url=redis_url, redis_prefix=prefix)
+    svc = TrajectoryService(store, ExportSettings())
+    out: dict[str, Any] = {"db": db.split("://")[0], "live_active_sessions": live, "at": []}
+    t0 = time.time() - 86_400
+    try:
+        await seed(store, 1, live, prefix="live-", status="active", t0=time.time() - 10, groups=False)
+        seeded = 0
+        for n in history:
+            await seed(store, seeded + 1, n, prefix="hist-", status="consumed", t0=t0, groups=True)
+            seeded = n
+            if store.engine.dialect.name == "postgresql":
+                async with store.engine.connect() as conn:
+                    await conn.exec_driver_sql("ANALYZE")
+            await svc.tick()  # warm
+            selects = capture_selects(store)
+            times = []
+            for _ in range(ticks):
+                start = time.perf_counter()
+                await svc.tick()
+                times.append((time.perf_counter() - start) * 1000)
+            plans = await explain(store, list(selects)) if n == history[-1] else []
+            out["at"].append({"finished_sessions": n, "tick_ms_median": statistics.median(times),
+                              "tick_ms_max": max(times), "plans": plans})
+            print(f"  {out['db']:18s} {n:7d} finished sessions: tick {statistics.median(times):7.2f} ms median "
+                  f"(max {max(times):.2f}) over {ticks} ticks", flush=True)
+    finally:
+        await svc.stop()
+        await store.close()
+        if redis_url:
+            bench.clear_redis_prefix(prefix)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--warmup", type=float, default=20.0, help="RSS baseline taken this long into the load")
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--db", choices=("postgres", "sqlite"), default="postgres", help="the soaked gateway's store")
+    parser.add_argument("--history", default="1000,100000", help="finished sessions to seed, cumulative")
+    parser.add_argument("--ticks", type=int, default=20)
+    parser.add_argument("--skip-soak", action="store_true")
+    parser.add_argument("--skip-tick", action="store_true")
+    parser.add_argument("--out", default=str(REPO / "docs" / "bench"))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="agentrl-soak-"))
+    info = bench.machine()
+    print(f"machine: {info['cores']} cores, {info['cpu']}; {info['uptime']}", flush=True)
+    payload: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": info}
+    if not args.skip_tick:
+        history = [int(n) for n in args.history.split(",")]
+        print("lifecycle tick vs finished sessions in the store:", flush=True)
+        payload["tick"] = [asyncio.run(tick_vs_history(f"sqlite+aiosqlite:///{work}/tick.db", None, history,
+                                                       args.ticks, 1000))]
+        with bench.pg_database("tick") as pg:
+            payload["tick"].append(asyncio.run(tick_vs_history(pg, bench.REDIS_URL, history, args.ticks, 1000)))
+        for got in payload["tick"]:
+            for plan in got["at"][-1]["plans"]:
+                print(f"  [{got['db']}] {plan['sql'][:110]}\n      plan: {' | '.join(plan['plan'])[:300]}")
+            scans = [p for p in got["at"][-1]["plans"] if p["history_scans"]]
+            print(f"  [{got['db']}] SELECTs of one tick that scan a history table: {len(scans)}")
+    if not args.skip_soak:
+        s = payload["soak"] = soak(args, work)
+        w = s["wrk"]
+        print(f"soak: {w['requests']} requests in {w['seconds']:.0f} s ({w['rps']:.1f} req/s), errors {w['errors']}, "
+              f"p50 {w['p50_ms']:.1f} ms, p99 {w['p99_ms']:.1f} ms; turns recorded {s['store']['turns']} in "
+              f"{s['store']['sessions']} sessions")
+        print(f"soak: gateway RSS idle {s['rss_idle_mb']:.0f} MB, after warm-up ({args.warmup:g} s) "
+              f"{s['rss_after_warmup_mb']:.0f} MB, at the end {s['rss_last_sample_mb']:.0f} MB "
+              f"({100 * s.get('rss_growth', 0):+.1f}%), max {s['rss_max_mb']:.0f} MB; last lifecycle tick "
+              f"{s['last_tick_ms_under_load']:.1f} ms; load {s['load_before']} -> {s['load_after']}")
+    info["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(payload, indent=1))
+    print(f"wrote {out / 'soak.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
