@@ -12,13 +12,16 @@ import httpx
 import pytest
 import torch
 
-from trainer.engine_ops import SGLangOps, VLLMOps, engine_ops
+from trainer.engine_ops import EngineOpsError, SGLangOps, VLLMOps, engine_ops
 from trainer.weight_sync import BroadcastSync, DirectControl, DiskSync, WeightSyncError, with_tied_copies
 
 
 class FakeVLLM:
-    def __init__(self) -> None:
+    def __init__(self, sleep_mode: bool = True) -> None:
         self.calls: list[tuple[str, str, object]] = []
+        self.sleep_mode = sleep_mode
+        self.sleeping: set[str] = set()  # vLLM's executor sleeping_tags
+        self.paused = False
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -28,6 +31,7 @@ class FakeVLLM:
         if path == "/version":
             return httpx.Response(200, json={"version": "0.32.0"})
         if path in ("/pause", "/resume"):
+            self.paused = path == "/pause"
             return httpx.Response(200, json={"status": path[1:] + "d"})
         if path == "/reset_prefix_cache":
             return httpx.Response(200, json={"success": True})
@@ -35,6 +39,32 @@ class FakeVLLM:
             return httpx.Response(200, json={"results": [None]})
         if path == "/update_weight_version":
             return httpx.Response(200, json={"success": True, "new_version": "3"})
+        # sleep mode, vllm 0.32 entrypoints/serve/dev/sleep/api_router.py and v1/engine/core.py (EngineCore.sleep,
+        # wake_up, release_kv_cache_memory, is_sleeping); /server_info from entrypoints/serve/dev/server_info
+        if path == "/server_info":
+            return httpx.Response(200, json={"vllm_config": {"model_config": {"enable_sleep_mode": self.sleep_mode}},
+                                             "vllm_env": {}, "system_env": {}})
+        if path == "/sleep":
+            level = int(request.url.params.get("level", "1"))
+            if level not in (0, 1, 2) or request.url.params.get("mode", "abort") not in ("abort", "wait", "keep"):
+                return httpx.Response(422, json={"detail": "validation error"})
+            self.paused = True
+            if level >= 1:
+                self.sleeping |= {"weights", "kv_cache"}
+            return httpx.Response(200, json={"status": "sleeping", "level": level})
+        if path == "/release_kv_cache_memory":
+            if not self.paused:
+                return httpx.Response(500, json={"error": "release_kv_cache_memory() requires a completed pause first"})
+            self.sleeping.add("kv_cache")
+            return httpx.Response(200, json={"status": "kv_cache_released"})
+        if path == "/wake_up":
+            tags = request.url.params.get_list("tags") or None
+            self.sleeping -= set(tags) if tags else set(self.sleeping)
+            if not self.sleeping:
+                self.paused = False  # a fully awake engine resumes its scheduler
+            return httpx.Response(200, json={"status": "sleeping" if self.sleeping else "awake", "tags": tags})
+        if path == "/is_sleeping":
+            return httpx.Response(200, json={"is_sleeping": self.paused or bool(self.sleeping)})
         return httpx.Response(404, json={"detail": "Not Found"})
 
 
@@ -99,3 +129,50 @@ def test_tied_output_embedding_is_written_for_vllm(tiny_model_dir) -> None:
     assert auto._needs_tied_copies()  # first push: engines not known yet
     auto.send(["http://s"], 1, "/sync/v1", [])  # an SGLang-native engine (answers /get_model_info)
     assert not auto._needs_tied_copies()
+
+
+def test_vllm_sleeps_at_level_1_for_the_train_step_and_wakes_before_the_push(dist_info) -> None:
+    from trainer.weight_sync import engines_released
+
+    fake = FakeVLLM()
+    client = httpx.Client(transport=httpx.MockTransport(fake))
+    control = DirectControl(["http://v"], client=client, engine_kind="vllm")
+    with engines_released(["kv_cache", "weights", "cuda_graph"], 0, info=dist_info, control=control, client=client,
+                          engine_kind="vllm") as timings:
+        assert fake.sleeping == {"weights", "kv_cache"}
+        slept = [c for c in fake.calls if c[0] == "/sleep"]
+        assert len(slept) == 1 and slept[0][1] == "level=1&mode=abort"
+    assert set(timings) == {"engine/release_s", "engine/resume_memory_s"}
+    assert not fake.sleeping and [c for c in fake.calls if c[0] == "/wake_up"] == [("/wake_up", "", None)]
+
+    fake.calls.clear()  # KV cache only: vLLM's release_kv_cache_memory, then a wake-up of that tag
+    with engines_released(["kv_cache"], 0, info=dist_info, control=control, client=client, engine_kind="vllm"):
+        assert fake.sleeping == {"kv_cache"}
+    assert [c[:2] for c in fake.calls if c[0] in ("/release_kv_cache_memory", "/wake_up")] == [
+        ("/release_kv_cache_memory", ""), ("/wake_up", "tags=kv_cache")]
+    assert not fake.sleeping
+
+
+def test_vllm_without_sleep_mode_is_refused_with_the_fix(dist_info) -> None:
+    """vLLM's CPU build refuses --enable-sleep-mode ("Sleep mode is not supported on current platform.") and its
+    /sleep frees nothing; a GPU vLLM started without the flag cannot sleep. The trainer refuses before the step."""
+    from trainer.weight_sync import engines_released
+
+    fake = FakeVLLM(sleep_mode=False)
+    client = httpx.Client(transport=httpx.MockTransport(fake))
+    control = DirectControl(["http://v"], client=client, engine_kind="vllm")
+    with pytest.raises(WeightSyncError, match="--enable-sleep-mode"):
+        with engines_released(["kv_cache"], 0, info=dist_info, control=control, client=client, engine_kind="vllm"):
+            pytest.fail("the step must not run")
+    assert not any(c[0] in ("/sleep", "/release_kv_cache_memory") for c in fake.calls)
+    assert fake.calls[-1][0] == "/resume" and not fake.paused  # generation given back
+
+
+def test_a_vllm_left_asleep_is_an_error() -> None:
+    fake = FakeVLLM()
+    client = httpx.Client(transport=httpx.MockTransport(fake))
+    ops = VLLMOps(client, "http://v")
+    ops.release_memory(["kv_cache", "weights"])
+    fake.sleeping.add("extra")  # a tag the wake-up does not cover
+    with pytest.raises(EngineOpsError, match="asleep"):
+        ops.resume_memory(["kv_cache"])

