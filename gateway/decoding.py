@@ -13,11 +13,18 @@ return the same tokens and the same message. Rules:
   parsed (``gateway.chat.tool_parser``); a choice that ended normally with tool calls has finish reason
   ``tool_calls``;
 - streaming releases text only when it can no longer change: not while the last token decodes to an
-  incomplete UTF-8 character, nor while the tail could still grow into a stop string.
+  incomplete UTF-8 character, nor while the tail could still grow into a stop string;
+- streaming costs O(new tokens) per chunk, not O(output so far): the text is decoded incrementally
+  (:class:`IncrementalText`: the new tokens with a few tokens of context before them) and stop strings
+  are looked for only in the text not yet released; the whole output is decoded once, at the end. A
+  tokenizer that cleans up spaces across tokens (``clean_up_tokenization_spaces``) is decoded whole at
+  every chunk instead, as its text is not the concatenation of its pieces.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +35,8 @@ from gateway.chat.tool_parser import (
     parse_tool_calls,
 )
 from gateway.engine_client import Generation
+
+log = logging.getLogger("agentrl.gateway.decoding")
 
 
 @dataclass(slots=True)
@@ -51,6 +60,35 @@ class ChoiceResult:
         if self.tool_calls:
             msg["tool_calls"] = self.tool_calls
         return msg
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, decoded a few tokens at a time.
+
+    :meth:`advance` returns what ``ids[read:upto]`` add to the text: it decodes them together with the
+    tokens since the previous step's start (``prefix``) and removes the text of those, so that a token
+    decoded differently after others (SentencePiece's leading space) comes out as in the whole text. While
+    the new tokens end inside a UTF-8 character nothing is returned and they are retried with the next
+    ones. Each call decodes the last step's tokens and the new ones: work proportional to the new tokens.
+    ``decoded`` counts the token ids handed to the tokenizer (the benchmark's and tests' measure of work).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self.prefix = 0  # start of the context window
+        self.read = 0  # tokens whose text has been returned
+        self.decoded = 0
+
+    def advance(self, ids: list[int], upto: int) -> str:
+        if upto <= self.read:
+            return ""
+        before = self._decode(ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        after = self._decode(ids[self.prefix:upto])
+        self.decoded += (self.read - self.prefix) + (upto - self.prefix)
+        if after.endswith("\ufffd") or not after.startswith(before):
+            return ""  # an incomplete character (or a window that does not extend): wait for more tokens
+        self.prefix, self.read = self.read, upto
+        return after[len(before):]
 
 
 @dataclass(slots=True)
@@ -79,6 +117,11 @@ class ChoiceDecoder:
         self._content: list[str] = []
         self._calls: list[dict[str, Any]] = []
         self.stopped = False  # a stop string was found: the caller stops reading the engine
+        # incremental decoding (None: the tokenizer's text is not the concatenation of its pieces)
+        self.text: IncrementalText | None = (
+            None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else IncrementalText(self.decode))
+        self._pending = ""  # decoded, not released (the tail that could still grow into a stop string)
+        self._released: list[str] = []
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -139,6 +182,22 @@ class ChoiceDecoder:
     # ---- streaming ----
     def step(self, gen: Generation) -> StreamDelta:
         """Release what is certain after a new cumulative output (call :meth:`end` at the end)."""
+        if self.text is None:
+            return self._step_whole(gen)
+        visible = self._visible(gen, final=False)
+        self._pending += self.text.advance(gen.output_ids, visible)
+        # a stop string can only start in the text not yet released: every tail that could grow into
+        # one was held back
+        if any(s in self._pending for s in self.stop):
+            self.stopped = True
+            return StreamDelta()  # end() releases the rest
+        safe = len(self._pending) - _held_back(self._pending, self.stop)
+        piece, self._pending = self._pending[:safe], self._pending[safe:]
+        done = not self._pending and self.text.read == visible
+        return self._release(piece, visible if done else None, self._released_text + len(piece))
+
+    def _step_whole(self, gen: Generation) -> StreamDelta:
+        """:meth:`step` decoding the whole output (tokenizers whose text is not the sum of its pieces)."""
         visible = self._visible(gen, final=False)
         cut = self._cut_at_stop(gen.output_ids, visible)
         if cut is not None:
@@ -148,11 +207,7 @@ class ChoiceDecoder:
         safe = len(text)
         while safe > 0 and text[safe - 1] == "\ufffd":
             safe -= 1  # an incomplete UTF-8 character: wait for the next token
-        for s in self.stop:  # the tail might grow into a stop string
-            for n in range(min(len(s) - 1, safe), 0, -1):
-                if text[:safe].endswith(s[:n]):
-                    safe -= n
-                    break
+        safe -= _held_back(text[:safe], self.stop)  # the tail might grow into a stop string
         return self._release(text[self._released_text:safe], visible if safe == len(text) else None,
                              safe)
 
@@ -160,6 +215,7 @@ class ChoiceDecoder:
         delta = StreamDelta(token_start=self._released_tokens)
         if text_to > self._released_text:
             self._released_text = text_to
+            self._released.append(piece)
             self._emit(piece, delta)
         if tokens_to is not None and tokens_to > self._released_tokens:
             self._released_tokens = tokens_to
@@ -186,6 +242,9 @@ class ChoiceDecoder:
     def end(self, gen: Generation) -> tuple[StreamDelta, ChoiceResult]:
         """The last delta and the finished choice; its message is exactly what the stream released."""
         text, keep, visible, finish = self._final_text(gen)
+        if not text.startswith("".join(self._released)):  # never seen; would break "stream == non-stream"
+            log.error("streamed text is not a prefix of the whole output's text (tokenizer %s); the stream "
+                      "and the recorded message may differ", type(self.tokenizer).__name__)
         delta = StreamDelta(token_start=self._released_tokens)
         if len(text) > self._released_text:
             self._emit(text[self._released_text:], delta)
@@ -201,6 +260,17 @@ class ChoiceDecoder:
         if self._calls and finish == "stop":
             finish = "tool_calls"
         return delta, self._result(gen, keep, visible, text, content, list(self._calls), finish)
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that could be the start of a stop string."""
+    held = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
 
 
 def logprobs_json(tokenizer: Any, ids: list[int], logprobs: list[float],

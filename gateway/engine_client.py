@@ -90,6 +90,9 @@ class EngineOutput:
     # the weight version of each output token, from the finished output's ``weight_versions`` spans
     # (SGLang 0.5.19, vLLM 0.32); None where the engine sent none (intermediate chunks) or "default"
     versions: list[int] | None = None
+    # the output position the lists start at: a cumulative stream chunk is parsed only past what the
+    # chunks before it held (``parse_output(body, known)``), so per chunk the work is its new tokens
+    start: int = 0
 
 
 @dataclass(slots=True)
@@ -129,14 +132,21 @@ def span_versions(spans: object, n: int) -> list[int] | None:
     return out if len(out) == n else None
 
 
-def parse_output(body: dict[str, Any]) -> EngineOutput:
-    """One SGLang ``/generate`` response (or cumulative stream chunk) as an :class:`EngineOutput`."""
+def parse_output(body: dict[str, Any], known: int = 0) -> EngineOutput:
+    """One SGLang ``/generate`` response (or cumulative stream chunk) as an :class:`EngineOutput`.
+
+    ``known``: output tokens the stream's earlier chunks held; a chunk that still holds them (SGLang's
+    cumulative streams) is read from there on (``start`` = ``known``), else whole (``start`` = 0)."""
     if "error" in body:
         err = body["error"]
         raise EngineError(f"engine error: {err.get('message', err) if isinstance(err, dict) else err}")
     meta = body.get("meta_info") or {}
-    ids = [int(t) for t in body.get("output_ids") or []]
-    entries = meta.get("output_token_logprobs") or []
+    raw_ids = body.get("output_ids") or []
+    raw_entries = meta.get("output_token_logprobs") or []
+    spans = meta.get("weight_versions")
+    start = known if 0 < known <= len(raw_ids) == len(raw_entries) and not spans else 0
+    ids = [int(t) for t in raw_ids[start:]]
+    entries = raw_entries[start:]
     logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
     if len(logprobs) != len(ids):
         # SGLang 0.5.19 answers a streamed request aborted while in its waiting queue (e.g. retracted by a
@@ -152,7 +162,7 @@ def parse_output(body: dict[str, Any]) -> EngineOutput:
     top = meta.get("output_top_logprobs")
     top_parsed = None
     if top is not None:
-        top_parsed = [[(int(t[1]), float(t[0])) for t in (row or [])] for row in top]
+        top_parsed = [[(int(t[1]), float(t[0])) for t in (row or [])] for row in top[start:]]
     reason = meta.get("finish_reason")
     finish, matched, status, message = None, None, None, None
     if isinstance(reason, dict):
@@ -165,7 +175,7 @@ def parse_output(body: dict[str, Any]) -> EngineOutput:
         finish = reason
     return EngineOutput(ids, logprobs, top_parsed, finish, matched,
                         _parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0),
-                        status, message, span_versions(meta.get("weight_versions"), len(ids)))
+                        status, message, span_versions(spans, len(ids)), start)
 
 
 def engine_error(base_url: str, status: int, message: str) -> GatewayError:
@@ -316,7 +326,8 @@ class EngineClient:
     async def generate_stream(
         self, input_ids: list[int], params: SamplingParams, max_new_tokens: int
     ) -> AsyncIterator[EngineOutput]:
-        """Cumulative outputs as the engine streams them (SGLang's default, non-incremental mode)."""
+        """Outputs as the engine streams them (SGLang's default, cumulative mode): each one holds the tokens
+        from its ``start`` on, the earlier ones being those of the outputs before it."""
         body = self._body(input_ids, params, max_new_tokens, True)
         done = False
         try:
@@ -326,6 +337,7 @@ class EngineClient:
                     await resp.aread()
                     done = True  # refused: nothing runs
                     self._check(resp)
+                known = 0
                 async for chunk in sse_json(resp, f"engine {self.base_url} sent a malformed stream chunk"):
                     if chunk is SSE_DONE:
                         done = True
@@ -333,7 +345,8 @@ class EngineClient:
                     if isinstance(chunk, dict) and "error" in chunk:
                         done = True  # SGLang's refusal once the stream began: the request is over
                         raise self._stream_error(chunk["error"])
-                    out = parse_output(chunk)
+                    out = parse_output(chunk, known)
+                    known = out.start + len(out.output_ids)
                     done = out.finish is not None
                     yield out
         except httpx.HTTPError as exc:
@@ -638,7 +651,9 @@ class EngineRouter:
         if out.weight_version is not None and out.weight_version != version:
             self.version_mismatches += 1
             version = out.weight_version
-        del gen.output_ids[base:], gen.logprobs[base:], gen.versions[base:], gen.top_logprobs[base:]
+        # ``out`` starts at output position ``out.start`` of this segment (its earlier tokens are merged)
+        keep = base + out.start
+        del gen.output_ids[keep:], gen.logprobs[keep:], gen.versions[keep:], gen.top_logprobs[keep:]
         gen.output_ids.extend(out.output_ids)
         gen.logprobs.extend(out.logprobs)
         gen.versions.extend(out.versions if out.versions is not None else [version] * len(out.output_ids))

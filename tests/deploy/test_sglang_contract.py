@@ -125,9 +125,14 @@ async def test_client_reads_cumulative_streams(client, name):
         outs = [o async for o in client.generate_stream(fx["request"]["input_ids"], params, 16)]
     assert check_request(route.calls.last.request)["stream"] is True
     assert len(outs) == len(chunks)
-    for out, chunk in zip(outs, chunks):  # cumulative: each chunk holds everything so far
-        assert out.output_ids == chunk["output_ids"]
-        assert len(out.logprobs) == len(chunk["output_ids"])
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for out, chunk in zip(outs, chunks):  # cumulative: each chunk holds everything so far, read past `start`
+        assert 0 <= out.start <= len(ids)
+        ids[out.start:], logprobs[out.start:] = out.output_ids, out.logprobs
+        assert ids == chunk["output_ids"]
+        assert logprobs == [e[0] for e in chunk["meta_info"]["output_token_logprobs"]]
+    assert len(outs) < 3 or max(o.start for o in outs) > 0  # later chunks are read from their new tokens on
     assert [o.finish for o in outs[:-1]] == [None] * (len(outs) - 1)
     assert outs[-1].finish == chunks[-1]["meta_info"]["finish_reason"]["type"]
 
