@@ -62,8 +62,8 @@ GREEDY_TEMPERATURE = 1e-6  # below this a temperature means greedy decoding
 
 
 class UntrainableSampling(ValueError):
-    """A turn was sampled under a filter (``top_p < 1`` or top-k) whose logprobs the trainer cannot
-    recompute; its session is not exported for training."""
+    """A turn was sampled under a filter (``top_p < 1`` or top-k), penalties or a grammar mask whose
+    logprobs the trainer cannot recompute; its session is not exported for training."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,7 @@ class Turn:
     top_p: float = 1.0
     top_k: int = -1
     penalties: tuple[str, ...] = ()  # names of the penalties it was sampled under (gateway.constraints)
+    grammar: str = ""  # what constrained it, e.g. "json_schema (response_format)"; "" = unconstrained
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, dtype=np.int32))
@@ -131,8 +132,9 @@ def turn_from_interaction(record: Any) -> Turn:
 
 
 def sampling_of(request: Any) -> dict[str, Any]:
-    """``temperature`` (effective), ``top_p`` and ``top_k`` of a recorded request's ``params`` (the
-    OpenAI defaults where the client sent none). Raises ValueError for values that are not numbers."""
+    """``temperature`` (effective), ``top_p``, ``top_k``, penalties and grammar of a recorded request's
+    ``params`` (the OpenAI defaults where the client sent none). Raises ValueError for values that are not
+    numbers."""
     params = (request or {}).get("params") or {} if isinstance(request, dict) else {}
     temperature = params.get("temperature")
     temperature = 1.0 if temperature is None else float(temperature)
@@ -142,7 +144,16 @@ def sampling_of(request: Any) -> dict[str, Any]:
     top_k = params.get("top_k")
     return {"temperature": temperature, "top_p": 1.0 if top_p is None else float(top_p),
             "top_k": -1 if top_k is None else int(top_k),
-            "penalties": tuple(sorted(k for k in PENALTY_PARAMS if params.get(k)))}
+            "penalties": tuple(sorted(k for k in PENALTY_PARAMS if params.get(k))),
+            "grammar": _grammar_of(params)}
+
+
+def _grammar_of(params: dict[str, Any]) -> str:
+    """``"kind (origin)"`` of a recorded grammar constraint (``params.grammar``), "" for none."""
+    grammar = params.get("grammar")
+    if not isinstance(grammar, dict):
+        return ""
+    return f"{grammar.get('kind', 'grammar')} ({grammar.get('origin', 'request')})"
 
 
 # penalties recorded in a turn's params (gateway.constraints.penalties_json): the engine sampled from the
@@ -419,9 +430,9 @@ def export_individual(
 
 
 def check_trainable(turns: Sequence[Turn]) -> None:
-    """Raise :class:`UntrainableSampling` if a kept turn was sampled under top-p / top-k filtering or
-    under penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``,
-    ``min_tokens``)."""
+    """Raise :class:`UntrainableSampling` if a kept turn was sampled under top-p / top-k filtering, under
+    penalties (``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``,
+    ``min_tokens``) or under a grammar (``response_format``, a forced ``tool_choice``, ``regex``, ``ebnf``)."""
     by_id, _ = _kept_tree(turns)
     for t in sorted(by_id.values(), key=lambda t: (t.created_at, t.id)):
         if t.top_p < 1.0 or t.top_k > 0:
@@ -436,6 +447,13 @@ def check_trainable(turns: Sequence[Turn]) -> None:
                 "the penalised distribution, which the trainer does not recompute (it recomputes "
                 "log_softmax(logits / T)), so every importance weight would be wrong; sample training sessions "
                 "without penalties or logit_bias, or mark the session metadata.eval")
+        if t.grammar:
+            raise UntrainableSampling(
+                f"turn {t.id} was sampled under a grammar ({t.grammar}): its behaviour logprobs are those of the "
+                "masked distribution (renormalised over the tokens the grammar allowed), which the trainer does "
+                "not recompute (it recomputes log_softmax(logits / T) over the whole vocabulary), so every "
+                "importance weight would be wrong; sample training sessions without response_format / forced "
+                "tool_choice / regex / ebnf, or mark the session metadata.eval")
 
 
 def export_session(turns: Sequence[Turn], *, mode: str = "concat", **kwargs: Any) -> list[Row]:

@@ -31,6 +31,7 @@ constrained output ends with a stop token unless ``max_new_tokens`` cuts it firs
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -90,8 +91,9 @@ class Grammars:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """The first line of an xgrammar error without its ``[time] file.cc:line:`` prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", text)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

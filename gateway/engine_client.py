@@ -54,6 +54,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
     penalties: dict[str, Any] = field(default_factory=dict)  # SGLang names (gateway.constraints.penalties)
+    grammar: dict[str, str] = field(default_factory=dict)  # one SGLang grammar key (gateway.constraints.Grammar)
 
     def to_wire(self, max_new_tokens: int) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -71,6 +72,7 @@ class SamplingParams:
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         params.update(self.penalties)
+        params.update(self.grammar)
         return params
 
 
@@ -620,6 +622,7 @@ class EngineRouter:
                 excluded.add(index)
                 if not any(e.healthy for i, e in enumerate(self.engines) if i not in excluded):
                     raise
+                _restart_constrained(gen, params, stream)
                 continue  # another engine continues from prompt + partial output
             finally:
                 state.in_flight -= 1
@@ -631,6 +634,7 @@ class EngineRouter:
                     raise engine_error(state.client.base_url, last.abort_status, last.abort_message or "aborted")
                 if self.paused or self._pause_epoch != epoch or (
                         self.pause_check is not None and await self.pause_check()):
+                    _restart_constrained(gen, params, stream)
                     continue  # held: resent after resume
                 raise EngineError(f"engine {state.client.base_url} aborted the generation")
             if last.finish not in ("stop", "length"):
@@ -659,3 +663,15 @@ class EngineRouter:
         gen.versions.extend(out.versions if out.versions is not None else [version] * len(out.output_ids))
         if out.top_logprobs is not None:
             gen.top_logprobs.extend(out.top_logprobs)
+
+
+def _restart_constrained(gen: Generation, params: SamplingParams, stream: bool) -> None:
+    """A grammar-constrained generation cannot continue from prompt + partial output (the engine would start
+    the grammar over inside the output): without streaming its partial output is dropped and it starts over
+    (all of it then sampled under the new weights); a stream whose tokens were already sent fails."""
+    if not params.grammar or not gen.output_ids:
+        return
+    if stream:
+        raise EngineError("a grammar-constrained stream was interrupted (weight update or engine lost) after "
+                          "it had sent tokens and cannot continue under its grammar; retry the request")
+    del gen.output_ids[:], gen.logprobs[:], gen.versions[:], gen.top_logprobs[:]

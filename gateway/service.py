@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 from gateway.binding import group_of_root
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.normalize import canonical_json, chain_hashes, extend_chain, validate_messages
-from gateway.constraints import penalties, penalties_json, refuse_unenforced
+from gateway.constraints import check_grammar, grammar_of, penalties, penalties_json, refuse_unenforced
 from gateway.context import Services
 from gateway.decoding import ChoiceDecoder, ChoiceResult, StreamDelta
 from gateway.engine_client import Generation, SamplingParams
@@ -375,6 +375,9 @@ class GenerationService:
                        ) -> tuple[TurnPlan, SamplingParams, list[ChoiceRun], Callable[[ChoiceRun], str]]:
         """Track, plan and size a turn: its plan, sampling parameters, choices and chain-hash function."""
         refuse_unenforced(req)
+        grammar = grammar_of(req)
+        if grammar is not None:  # compiled once here, so a bad schema / regex is a 400 naming its field
+            grammar = await asyncio.to_thread(check_grammar, grammar)
         await self._track(turn, session)
         if isinstance(req, ChatCompletionRequest):
             plan = await self.plan_chat(req, session)
@@ -387,6 +390,9 @@ class GenerationService:
         await self._planned(turn, plan)
         await self._track_planned(turn, session, plan)
         params = self._sampling(req, len(plan.prompt), top)
+        if grammar is not None:  # sent to the engine and recorded: the turn was sampled under this mask
+            params.grammar = grammar.sampling()
+            plan.request["params"]["grammar"] = grammar.record()
         prefix = id_prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
         return plan, params, self._choices(req, prefix, parse_tools), chain
 

@@ -23,6 +23,7 @@ routes exist only when the server runs with ``VLLM_SERVER_DEV_MODE=1``):
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -60,7 +61,23 @@ def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict[str, An
         wire["stop_token_ids"] = list(params.stop_token_ids)
     for key, value in params.penalties.items():  # SGLang's names (gateway.constraints.penalties) as vLLM's
         wire["min_tokens" if key == "min_new_tokens" else key] = value
+    if params.grammar:
+        wire["structured_outputs"] = structured_outputs(params.grammar)
     return wire
+
+
+def structured_outputs(grammar: dict[str, str]) -> dict[str, Any]:
+    """SGLang's grammar key (gateway.constraints.Grammar) as vLLM's ``StructuredOutputsParams``
+    (``vllm/sampling_params.py``: exactly one of ``json``, ``regex``, ``grammar``, ``json_object``,
+    ``structural_tag``, ...). vLLM's xgrammar backend takes the same EBNF and structural-tag texts."""
+    ((kind, source),) = grammar.items()
+    if kind == "json_schema":
+        return {"json_object": True} if source == "$$ANY$$" else {"json": json.loads(source)}
+    if kind == "ebnf":
+        return {"grammar": source}
+    if kind in ("regex", "structural_tag"):
+        return {kind: source}
+    raise ValueError(f"no vLLM structured output for the grammar kind {kind!r}")
 
 
 class Accumulator:

@@ -255,10 +255,12 @@ def to_chat_request(req: MessagesRequest, conv: Conversation) -> ChatCompletionR
         if err.param == "stop":
             err.param = "stop_sequences"
         raise err from exc
-    refuse_unenforced(chat_req, {"response_format": "output_config.format",
-                                 "response_format.type": "output_config.format.type",
-                                 "tool_choice": "tool_choice.type",
-                                 "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"})
+    chat_req._wire_names = {"response_format": "output_config.format",
+                            "response_format.type": "output_config.format.type",
+                            "response_format.json_schema.schema": "output_config.format.schema",
+                            "tool_choice": "tool_choice", "tools[].function.parameters": "tools[].input_schema",
+                            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+    refuse_unenforced(chat_req)
     return chat_req
 
 

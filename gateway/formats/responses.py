@@ -485,7 +485,10 @@ def to_chat_request(req: ResponsesRequest, conv: Conversation) -> ChatCompletion
         chat_req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
-    refuse_unenforced(chat_req, {"response_format": "text.format", "response_format.type": "text.format.type"})
+    chat_req._wire_names = {"response_format": "text.format", "response_format.type": "text.format.type",
+                            "response_format.json_schema.schema": "text.format.schema",
+                            "tools[].function.parameters": "tools[].parameters"}
+    refuse_unenforced(chat_req)
     return chat_req
 
 

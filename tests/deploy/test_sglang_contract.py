@@ -177,6 +177,32 @@ async def test_client_turns_sglang_400s_into_invalid_request(client, name, messa
             await client.generate([1, 2, 3], engine_client.SamplingParams(max_new_tokens=4), 4)
 
 
+async def test_client_sends_a_grammar_and_reads_the_constrained_output(client):
+    fx = fixture("generate_json_schema")
+    schema = fx["request"]["sampling_params"]["json_schema"]
+    params = engine_client.SamplingParams(max_new_tokens=16, stop_token_ids=[2], grammar={"json_schema": schema})
+    with respx.mock:
+        route = respx.post(f"{BASE}/generate").mock(return_value=response_of(fx))
+        out = await client.generate(fx["request"]["input_ids"], params, 16)
+    sent = check_request(route.calls.last.request)
+    assert sent["sampling_params"]["json_schema"] == schema  # SGLang's key, the schema as a string
+    assert out.output_ids == fx["body"]["output_ids"] and out.finish == "stop"
+
+
+async def test_client_turns_grammar_refusals_into_invalid_request(client):
+    params = engine_client.SamplingParams(max_new_tokens=4, grammar={"regex": "a[b-c"})
+    with respx.mock:
+        respx.post(f"{BASE}/generate").mock(return_value=response_of(fixture("generate_error_grammar")))
+        with pytest.raises(gateway_errors.InvalidRequest, match="Failed to compile regex grammar"):
+            await client.generate([1, 2, 3], params, 4)
+    with respx.mock:
+        respx.post(f"{BASE}/generate").mock(return_value=response_of(fixture("generate_stream_error_grammar")))
+        router = engine_client.EngineRouter([client])
+        with pytest.raises(gateway_errors.InvalidRequest, match="Failed to compile regex grammar"):
+            async for _ in router.generate([1, 2, 3], params, affinity_key=None, stream=True):
+                pass
+
+
 async def test_client_control_and_weight_routes(client):
     with respx.mock:
         respx.get(f"{BASE}/health").mock(return_value=response_of(fixture("health")))
@@ -563,6 +589,23 @@ def test_engine_errors_match_sglang(engine_url):
                                           "return_logprob": True})
     assert resp.status_code == 400
     assert_same_shape(shape(resp.json()), shape(fixture("generate_error_context")["body"]))
+
+
+def test_engine_grammar_responses_match_sglang(engine_url):
+    fx = fixture("generate_json_schema")
+    resp = post(engine_url, "/generate", fx["request"])
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    finish = body["meta_info"]["finish_reason"]
+    if finish["type"] == "stop":  # the random model's string may run to max_new_tokens instead
+        assert isinstance(json.loads(body["text"])["city"], str)
+    else:
+        assert finish == {"type": "length", "length": 16} and body["text"].startswith('{"city": "')
+        body["meta_info"]["finish_reason"] = fx["body"]["meta_info"]["finish_reason"]  # shape of the rest
+    assert_same_shape(meta_shape(body), meta_shape(fx["body"]))
+    bad = post(engine_url, "/generate", fixture("generate_error_grammar")["request"])
+    assert bad.status_code == 400 and "regex" in bad.json()["error"]["message"]
+    assert_same_shape(shape(bad.json()), shape(fixture("generate_error_grammar")["body"]))
 
 
 def test_engine_stream_error_is_an_event_like_sglang(engine_url):

@@ -135,6 +135,36 @@ async def test_every_gateway_request_is_one_sglang_accepts(tokenizer) -> None:
     assert check_with_sglang("/update_weights_from_disk", disk, tokenizer).weight_version == "1"
 
 
+async def test_every_grammar_the_gateway_sends_is_one_sglang_accepts(tokenizer) -> None:
+    """json_object, json_schema, regex, ebnf and the forced-tool-call EBNF, built by gateway.constraints and
+    sent by the engine client, parse as SGLang's GenerateReqInput + SamplingParams (one constraint each)."""
+    from gateway.constraints import check_grammar, grammar_of
+    from gateway.engine_client import EngineClient, SamplingParams
+    from gateway.wire import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    requests = [{"response_format": {"type": "json_object"}},
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                    "type": "object", "properties": {"a": {"type": "string"}}}}}},
+                {"regex": "[0-9]+"}, {"ebnf": 'root ::= "yes" | "no"'},
+                {"tools": tools, "tool_choice": "required"},
+                {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}},
+                 "parallel_tool_calls": False}]
+    rec = Recorder()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(rec.handler)) as http:
+        client = EngineClient("http://sglang", http)
+        for fields in requests:
+            grammar = grammar_of(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields))
+            assert grammar is not None
+            params = SamplingParams(max_new_tokens=8, grammar=check_grammar(grammar).sampling())
+            await client.generate([1, 2, 3], params, 8)
+    assert len(rec.bodies) == len(requests)
+    for (path, body), kind in zip(rec.bodies, ["json_schema", "json_schema", "regex", "ebnf", "ebnf", "ebnf"]):
+        obj = check_with_sglang(path, body, tokenizer)
+        assert isinstance(obj.sampling_params[kind], str) and obj.sampling_params[kind]
+
+
 def test_every_trainer_request_is_one_sglang_accepts(tokenizer, tiny_model_dir, dist_info, tmp_path) -> None:
     import torch
 

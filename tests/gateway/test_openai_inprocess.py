@@ -68,11 +68,13 @@ class FlakyTransport(httpx.AsyncBaseTransport):
         self.inner = httpx.ASGITransport(app=app)
         self.down = False
         self.generate_calls = 0
+        self.sampling: list[dict[str, Any]] = []  # sampling_params of every /generate, in order
         self.gate: asyncio.Event | None = None  # set: /generate answers only once it is set (a slow reply)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/generate":
             self.generate_calls += 1
+            self.sampling.append(json.loads(request.content).get("sampling_params") or {})
             if self.gate is not None:
                 await self.gate.wait()
         if self.down:
