@@ -86,6 +86,62 @@ def test_request_in_flight_during_a_push_completes_with_tokens_of_both_versions(
 
 
 @pytest.mark.slow
+def test_a_push_without_the_gateway_keeps_the_request_in_the_engine_and_records_both_versions(
+        gateway_factory, trainer_engine, tiny_model_dir, dist_info, tmp_path):
+    """The trainer pushes straight to the engine (``DirectControl``: ``retract`` pause, update without flush,
+    ``/flush_cache``, continue) while the gateway only routes and records: the engine keeps the request
+    across the push and re-prefills it under the new weights; the gateway sees one uninterrupted generation
+    (one segment) and records each token's version from the engine's ``weight_versions`` spans; export
+    counts the row as old as its oldest token."""
+    from agentrl.trajectory import export_session, turn_from_interaction
+    from trainer.weight_sync import DirectControl
+
+    gw = gateway_factory()
+    model = load_model(tiny_model_dir)
+    session = gw.create_session(group_id="direct")
+    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0, timeout=300)
+    result: dict = {}
+
+    def agent() -> None:
+        result["reply"] = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
+            max_tokens=300, temperature=1.0, seed=5)
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{trainer_engine}/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.05)
+    time.sleep(1.0)  # some tokens under version 0
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    http = httpx.Client(timeout=120)
+    push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
+                 control=DirectControl([trainer_engine], client=http))
+    thread.join(timeout=240)
+    assert not thread.is_alive() and result["reply"].choices[0].finish_reason in ("stop", "length")
+
+    (turn,) = asyncio.run(_turns(gw.db, session["session_id"]))
+    versions = list(turn.output_versions)
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions), versions
+    switch = versions.index(1)
+    prompt, output = list(turn.prompt_ids), list(turn.output_ids)
+    recorded = torch.tensor(turn.output_logprobs)
+    old = trainer_logprobs(load_model(tiny_model_dir), prompt, output)
+    new = trainer_logprobs(model, prompt, output)  # re-prefilled: a full recompute under the new weights
+    assert (recorded[:switch] - old[:switch]).abs().max() < 1e-4
+    assert (recorded[switch:] - new[switch:]).abs().max() < 1e-4
+    with gw.admin() as admin:  # the gateway did not pause or re-send anything
+        assert admin.get("/admin/engines").json()["paused"] is False
+    (row,) = export_session([turn_from_interaction(turn)], gamma=1.0, session_reward=1.0)
+    assert row.min_version == 0 and list(row.versions[row.loss_mask.astype(bool)]) == versions
+
+
+@pytest.mark.slow
 def test_colocated_step_frees_the_engine_and_a_request_sent_meanwhile_waits_for_the_new_weights(
         gateway_factory, tiny_model_dir, dist_info):
     """--release-memory: the gateway pauses, the engine frees its KV cache and weights for the step; an agent's
