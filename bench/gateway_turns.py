@@ -9,7 +9,11 @@ costs little next to the servers) for each scenario and concurrency, `--runs` ti
 - `turn 2`, `turn 20`: the last turn of a growing 20-turn conversation (the history is recorded once
   first, so every request is a child turn of turn 1 / turn 19: a sibling under the same parent).
 
-    python bench/gateway_turns.py [--runs 3] [--duration 8] [--concurrency 1,32] [--profile OUT]
+    python bench/gateway_turns.py [--runs 3] [--duration 8] [--concurrency 1,32] [--profile OUT] [--base DIR]
+
+`--base DIR` also starts a second gateway from another source tree (e.g. `git archive main | tar -x -C
+DIR`) over the same upstream and alternates every wrk run between the two, so that a before/after
+comparison sees the same machine load (on a shared machine, runs minutes apart are not comparable).
 
 `--profile OUT` also samples the gateway process with py-spy (`py-spy record --pid`, raw collapsed
 stacks) during one extra `turn 20` run at concurrency 1 (or `--profile-scenario`), and prints the share of
@@ -161,6 +165,7 @@ def main() -> int:
     parser.add_argument("--profile", default=None, help="write py-spy raw stacks here and print phase shares")
     parser.add_argument("--profile-scenario", default="turn 20")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, database)")
+    parser.add_argument("--base", default=None, help="also measure a gateway from this source tree, interleaved")
     parser.add_argument("--shares", default=None, help="only print the phase shares of an existing raw profile")
     args = parser.parse_args()
     if args.shares:
@@ -178,27 +183,40 @@ def main() -> int:
         child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
                                         "--tokenizer", str(tiny_dir()), "--reply", REPLY])
         procs.wait_healthy(child, upstream + "/health", timeout_s=120)
-        gw = procs.start_agentrl("gateway", ["gateway", "--engine-url", upstream, "--db",
-                                             f"sqlite+aiosqlite:///{work}/bench.db", "--port", str(gw_port),
-                                             "--admin-key", ADMIN, "--agent-key", AGENT, "--log-level", "warning"])
-        procs.wait_healthy(gw, gateway + "/health", timeout_s=180)
-        with httpx.Client(base_url=gateway, headers={"Authorization": f"Bearer {AGENT}"}, timeout=60) as client:
-            for turn in range(1, 20):  # record the conversation once: turn 2 and turn 20 are child turns
-                resp = client.post("/v1/chat/completions", json=chat_body(turn))
-                resp.raise_for_status()
-                assert resp.json()["choices"][0]["message"]["content"] == REPLY
+        gateways = {"": gateway}
+        if args.base:
+            gateways["base "] = f"http://127.0.0.1:{free_port()}"
+        procs_by_name = {}
+        for label, url in gateways.items():
+            argv = ["gateway", "--engine-url", upstream, "--db", f"sqlite+aiosqlite:///{work}/bench{label.strip()}.db",
+                    "--port", url.rsplit(":", 1)[1], "--admin-key", ADMIN, "--agent-key", AGENT,
+                    "--log-level", "warning"]
+            if label:  # the other source tree first on the path
+                code = f"import sys; sys.path.insert(0, {str(Path(args.base).resolve())!r}); " \
+                       "from agentrl.cli import main; sys.exit(main())"
+                procs_by_name[label] = procs.start("gateway-base", [sys.executable, "-c", code, *argv])
+            else:
+                procs_by_name[label] = procs.start_agentrl("gateway", argv)
+        for label, url in gateways.items():
+            procs.wait_healthy(procs_by_name[label], url + "/health", timeout_s=180)
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {AGENT}"}, timeout=60) as client:
+                for turn in range(1, 20):  # record the conversation once: turn 2 and turn 20 are child turns
+                    resp = client.post("/v1/chat/completions", json=chat_body(turn))
+                    resp.raise_for_status()
+                    assert resp.json()["choices"][0]["message"]["content"] == REPLY
+        gw = procs_by_name[""]
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(tiny_dir()))
         prompt = tok.apply_chat_template(conversation(1), add_generation_prompt=True, tokenize=True)
         prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
-        targets = {
-            "upstream": (upstream + "/generate", {"input_ids": list(prompt), "return_logprob": True,
-                                                  "sampling_params": {"max_new_tokens": 64}}, None),
-            "turn 1": (gateway + "/v1/chat/completions", chat_body(1), AGENT),
-            "turn 2": (gateway + "/v1/chat/completions", chat_body(2), AGENT),
-            "turn 20": (gateway + "/v1/chat/completions", chat_body(20), AGENT),
-        }
+        targets = {"upstream": (upstream + "/generate", {"input_ids": list(prompt), "return_logprob": True,
+                                                         "sampling_params": {"max_new_tokens": 64}}, None)}
+        for label, url in gateways.items():
+            for turn in (1, 2, 20):
+                targets[f"{label}turn {turn}"] = (url + "/v1/chat/completions", chat_body(turn), AGENT)
+        scenarios = [s for s in scenarios if s == "upstream"] + [
+            f"{label}{s}" for s in scenarios if s != "upstream" for label in gateways]
         scripts = {}
         for name, (url, body, auth) in targets.items():
             scripts[name] = work / (name.replace(" ", "_") + ".lua")
@@ -219,20 +237,22 @@ def main() -> int:
     load = os.getloadavg()
     print(f"\ngateway turns over an instant upstream: {os.cpu_count()} cores, load {load[0]:.2f}/{load[1]:.2f}, "
           f"wrk -t1 -d{args.duration:g}s, median of {args.runs} runs")
-    print(f"{'scenario':10s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'added p50':>10s}")
+    print(f"{'scenario':15s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'added p50':>10s}")
     for c in levels if args.runs else []:
         base = statistics.median(r["p50"] for r in results.get(("upstream", c), [{"p50": 0.0}]))
         for name in scenarios:
             rs = results[(name, c)]
             rps, p50 = statistics.median(r["rps"] for r in rs), statistics.median(r["p50"] for r in rs)
             added = f"{p50 - base:10.2f}" if name != "upstream" else f"{'':10s}"
-            print(f"{name:10s} {c:4d} {rps:8.1f} {p50:8.2f} {added}")
+            print(f"{name:15s} {c:4d} {rps:8.1f} {p50:8.2f} {added}")
         if ("turn 1", c) in results and ("turn 20", c) in results:
-            t1 = statistics.median(r["p50"] for r in results[("turn 1", c)])
-            t2 = statistics.median(r["p50"] for r in results[("turn 2", c)]) if ("turn 2", c) in results else None
-            t20 = statistics.median(r["p50"] for r in results[("turn 20", c)])
-            print(f"concurrency {c}: turn-20 p50 / turn-1 p50 = {t20 / t1:.2f}x"
-                  + (f", / turn-2 p50 = {t20 / t2:.2f}x" if t2 else ""))
+            for label in gateways:
+                t1 = statistics.median(r["p50"] for r in results[(f"{label}turn 1", c)])
+                t2 = statistics.median(r["p50"] for r in results[(f"{label}turn 2", c)]) \
+                    if (f"{label}turn 2", c) in results else None
+                t20 = statistics.median(r["p50"] for r in results[(f"{label}turn 20", c)])
+                print(f"{label or 'this tree'}: concurrency {c}: turn-20 p50 / turn-1 p50 = {t20 / t1:.2f}x"
+                      + (f", / turn-2 p50 = {t20 / t2:.2f}x" if t2 else ""))
     if shares:
         print_shares(shares, f"the gateway during {args.profile_scenario} at concurrency {levels[0]} "
                              f"(raw stacks in {args.profile})")

@@ -10,6 +10,7 @@ conversation into a hash per prefix; the store finds a request's parent turn by 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -294,9 +295,28 @@ def normalize_message(msg: Mapping[str, Any]) -> Message:
 
 
 def _link(previous: str, msg: Mapping[str, Any]) -> str:
+    content = msg.get("content")
+    if len(msg) == 2 and type(content) is str and len(content) <= _PLAIN_LINK_MAX_CHARS \
+            and type(msg.get("role")) is str:
+        return _plain_link(previous, msg["role"], content)
+    return _link_uncached(previous, msg)
+
+
+def _link_uncached(previous: str, msg: Mapping[str, Any]) -> str:
     digest = hashlib.sha256(bytes.fromhex(previous))
     digest.update(canonical_json(normalize_message(msg)).encode("utf-8", "surrogatepass"))
     return digest.hexdigest()
+
+
+# A conversation's earlier messages come back with every turn, so the links of plain ``{role, content}``
+# messages (most of them) are computed once and looked up afterwards: a growing conversation's hash chain
+# then costs a dictionary probe per earlier message instead of a normalisation, a JSON dump and a hash.
+_PLAIN_LINK_MAX_CHARS = 8192
+
+
+@functools.lru_cache(maxsize=65536)
+def _plain_link(previous: str, role: str, content: str) -> str:
+    return _link_uncached(previous, {"role": role, "content": content})
 
 
 def chain_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:

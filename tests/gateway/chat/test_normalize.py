@@ -292,3 +292,19 @@ def test_lone_surrogates_are_rejected_with_their_path() -> None:
     assert info.value.param == "tools[0].function.description"
     # hashing never fails, even on unvalidated input
     assert len(chain_hash(messages)) == 64
+
+
+def test_cached_links_of_plain_messages_equal_the_uncached_hash_chain() -> None:
+    """Plain {role, content} messages take a cached path; the chain must be the one computed from scratch."""
+    from gateway.chat import normalize
+
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "héllo"},
+            {"role": "assistant", "content": ""}, {"role": "user", "content": "x" * 9000},
+            {"role": "assistant", "content": "ok", "tool_calls": []}, {"role": "user", "content": "again"}]
+    for _ in range(2):  # the second pass is answered from the cache
+        expected, previous = [], ""
+        for msg in msgs:
+            previous = normalize._link_uncached(previous, msg)
+            expected.append(previous)
+        assert chain_hashes(msgs) == expected
+    assert normalize._plain_link.cache_info().hits >= 4
