@@ -31,22 +31,36 @@ async def _turns(db: str, session_id: str):
         await store.close()
 
 
-@pytest.mark.slow
-def test_request_in_flight_during_a_push_completes_with_tokens_of_both_versions(
-        gateway_factory, tiny_model_dir, dist_info, tmp_path):
-    gw = gateway_factory()
-    model = load_model(tiny_model_dir)
-    session = gw.create_session(group_id="inflight")
+def long_story(session: dict, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """An agent thread asking for a long story in ``session``; its reply lands in ``result["reply"]``."""
     client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0, timeout=300)
     result: dict = {}
 
     def agent() -> None:
         result["reply"] = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=400, temperature=1.0, seed=5)
+            max_tokens=max_tokens, temperature=1.0, seed=5)
 
     thread = threading.Thread(target=agent)
     thread.start()
+    return thread, result
+
+
+def perturb(model: torch.nn.Module) -> None:
+    """New weights for version 1 (seeded noise)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+@pytest.mark.slow
+def test_request_in_flight_during_a_push_completes_with_tokens_of_both_versions(
+        gateway_factory, tiny_model_dir, dist_info, tmp_path):
+    gw = gateway_factory()
+    model = load_model(tiny_model_dir)
+    session = gw.create_session(group_id="inflight")
+    thread, result = long_story(session, max_tokens=400)
     with gw.admin() as admin:  # wait until the generation is running on the engine
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -57,10 +71,7 @@ def test_request_in_flight_during_a_push_completes_with_tokens_of_both_versions(
             pytest.fail("the request never reached the engine")
     time.sleep(1.0)  # let it generate some tokens under version 0
 
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb(model)
     http = httpx.Client(timeout=120)
     push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
                  control=GatewayControl(gw.base_url, gw.admin_key, client=http))
@@ -99,26 +110,14 @@ def test_a_push_without_the_gateway_keeps_the_request_in_the_engine_and_records_
     gw = gateway_factory()
     model = load_model(tiny_model_dir)
     session = gw.create_session(group_id="direct")
-    client = openai.OpenAI(base_url=session["base_url"], api_key=session["api_key"], max_retries=0, timeout=300)
-    result: dict = {}
-
-    def agent() -> None:
-        result["reply"] = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=300, temperature=1.0, seed=5)
-
-    thread = threading.Thread(target=agent)
-    thread.start()
+    thread, result = long_story(session, max_tokens=300)
     deadline = time.monotonic() + 60
     while httpx.get(f"{trainer_engine}/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
         assert time.monotonic() < deadline, "the request never reached the engine"
         time.sleep(0.05)
     time.sleep(1.0)  # some tokens under version 0
 
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb(model)
     http = httpx.Client(timeout=120)
     push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
                  control=DirectControl([trainer_engine], client=http))
