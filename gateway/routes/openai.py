@@ -14,14 +14,7 @@ from gateway.binding import session_for
 from gateway.context import services
 from gateway.errors import InvalidRequest, NotFound
 from gateway.formats import chat
-from gateway.routes.common import (
-    SSE_HEADERS,
-    caller,
-    json_body,
-    json_response,
-    read_json,
-    unless_disconnected,
-)
+from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json, unless_disconnected
 from gateway.service import GenerationService
 from gateway.wire import ChatCompletionRequest, CompletionRequest
 

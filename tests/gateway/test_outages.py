@@ -1,22 +1,29 @@
 """Dependency outages under load: 503 with Retry-After, never 500, and no duplicate siblings after the
-client retries. Redis is a private ``redis-server`` on a free port (the machine's own stays untouched)."""
+client retries. Redis is a private ``redis-server`` on a free port, PostgreSQL a private cluster
+(``initdb`` in a temporary directory, its own port and socket directory): the machine's own servers stay
+untouched."""
 
 from __future__ import annotations
 
 import asyncio
+import glob
+import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from tests.conftest import free_port
+from tests.conftest import REDIS_URL, free_port
+from tests.gateway.conftest import GatewayProc
 from tests.gateway.test_openai_inprocess import AGENT, make_gw, tokenizer  # noqa: F401 (fixtures)
+from tests.gateway.under_load import Agents, check_recorded
 
 
 class PrivateRedis:
@@ -59,6 +66,100 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+def _pg_bin(name: str) -> str | None:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found[-1] if found else shutil.which(name)
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of its own: ``initdb`` into a temporary directory, served on a free port with
+    its socket in that directory. PostgreSQL refuses to run as root, so as root every command runs as the
+    ``postgres`` OS user (``runuser``), which owns the directory."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="agentrl-pg-")
+        self.data = os.path.join(self.dir, "data")
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:
+            import pwd
+
+            user = pwd.getpwnam("postgres")
+            os.chown(self.dir, user.pw_uid, user.pw_gid)
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        self._run(_pg_bin("initdb") or "initdb", "-D", self.data, "-A", "trust", "-U", "postgres", "--no-sync",
+                  "-E", "UTF8")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *argv: str) -> None:
+        done = subprocess.run([*self.as_user, *argv], capture_output=True, text=True, timeout=180)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stdout[-2000:]} {done.stderr[-2000:]}")
+
+    def _pg_ctl(self, *args: str) -> None:
+        self._run(_pg_bin("pg_ctl") or "pg_ctl", "-D", self.data, "-l", os.path.join(self.dir, "log"), "-w",
+                  "-t", "120", *args)
+
+    def start(self) -> None:
+        self._pg_ctl("-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._pg_ctl("-m", mode, "stop")
+
+    def remove(self) -> None:
+        try:
+            self.stop("immediate")
+        except RuntimeError:
+            pass  # already stopped
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PrivatePostgres]:
+    if _pg_bin("initdb") is None or _pg_bin("pg_ctl") is None:
+        pytest.skip("the PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    server = PrivatePostgres()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.remove()
+
+
+@pytest.mark.slow
+def test_postgres_restart_under_load_gives_503s_never_500s_and_loses_nothing(
+        gateway_factory: Callable[..., GatewayProc], private_postgres: PrivatePostgres, redis_prefix: str) -> None:
+    """A gateway process on a private PostgreSQL (+ Redis), four agents in multi-turn conversations; the
+    database is stopped (fast shutdown), left down for a moment and started again. During the outage the
+    agents see only 503s with Retry-After; afterwards every acknowledged turn is there under its parent, no
+    turn is recorded twice, and the same gateway process serves every agent again."""
+    gw = gateway_factory(db=private_postgres.url, redis=REDIS_URL, redis_prefix=redis_prefix)
+    sessions = [gw.create_session(group_id=f"g{i}") for i in range(4)]
+    agents = Agents(gw.base_url, sessions, expect_up=True).start()
+    try:
+        agents.wait_acked(8)
+        private_postgres.stop("fast")  # connections are cut while turns are in flight
+        before = dict(agents.statuses)
+        time.sleep(2.0)
+        private_postgres.start()
+        mark = len(agents.acked)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and (
+                len(agents.acked_after(mark)) < len(sessions) or min(agents.acked_after(mark).values()) < 2):
+            time.sleep(0.1)
+    finally:
+        agents.stop()
+    assert agents.statuses[503] > before.get(503, 0), ("the outage was not seen", before, agents.statuses)
+    assert set(agents.statuses) <= {200, 503}, (agents.statuses, agents.failures[:5])
+    after = agents.acked_after(mark)
+    assert len(after) == len(sessions) and min(after.values()) >= 2, (after, agents.statuses)  # serving again
+    check_recorded(gw.db, agents.acked)
+    print(f"PostgreSQL restart: {len(agents.acked)} turns acknowledged, answers {dict(agents.statuses)}")
 
 
 async def test_redis_restart_under_load_gives_503s_never_500s_and_no_duplicate_siblings(
