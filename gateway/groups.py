@@ -18,7 +18,8 @@ ONE decision for all of its places:
 * Whatever was charged is given back if creating the sessions then fails.
 
 A place is given back when its session is abandoned (``POST /v1/sessions/{id}/abandon``,
-``POST /v1/groups/{id}/abandon``, or the group timeout) and when a group is closed with places never used.
+``POST /v1/groups/{id}/abandon``, or the group timeout) and when a group is closed with places never used
+(``POST /v1/groups/{id}/close``: no more sessions will come; or the group timeout).
 A group goes to training as soon as all of its sessions are finished or abandoned and no more can join
 (see ``gateway.lifecycle``), so an abandoned session never holds its group back. Eval sessions
 (``metadata.eval``) are never charged.
@@ -156,6 +157,26 @@ async def abandon_group(svc: Services, group_id: str) -> dict[str, Any]:
     except store_errors.StoreError as exc:
         raise from_store_error(exc) from exc
     await svc.admission.release(freed)
+    _notify(svc)
+    return await describe_group(svc, group_id)
+
+
+async def close_group(svc: Services, group_id: str) -> dict[str, Any]:
+    """No more sessions will join this group: give back the places never taken; its sessions go to training
+    as soon as they are finished (a smaller group, ``complete: false``, if places were unused or sessions
+    abandoned). The gateway cannot tell by itself that no more sessions are coming to a group created one
+    session at a time (so an abandoned session does not shrink it: a later session of the group would then
+    start a new, fully charged group); without this call such a group waits for the group timeout.
+    A group that is already sealed is left as it is. A later session of the id starts the id's next group."""
+    try:
+        group = (await svc.store.get_groups(group_ids=[group_id])).get(group_id)
+        if group is None:
+            raise errors.NotFound(f"no group {group_id!r} was admitted (POST /v1/groups or /v1/sessions with "
+                                  "this group_id)", param="group_id")
+        unused = await svc.store.close_group(group_id=group_id, status="closed")
+    except store_errors.StoreError as exc:
+        raise from_store_error(exc) from exc
+    await svc.admission.release(unused)
     _notify(svc)
     return await describe_group(svc, group_id)
 

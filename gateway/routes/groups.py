@@ -1,4 +1,4 @@
-"""GRPO groups admitted as a whole (runner or admin key): create, inspect, abandon. See ``gateway.groups``."""
+"""GRPO groups admitted as a whole (runner or admin key): create, inspect, close, abandon. See ``gateway.groups``."""
 
 from __future__ import annotations
 
@@ -43,3 +43,11 @@ async def abandon_group(group_id: str, request: Request) -> JSONResponse:
     svc = services(request)
     require_runner(await caller(request))
     return JSONResponse(await groups.abandon_group(svc, group_id))
+
+
+@router.post("/v1/groups/{group_id}/close")
+async def close_group(group_id: str, request: Request) -> JSONResponse:
+    """No more sessions will join: unused places come back; the group trains once its sessions finish."""
+    svc = services(request)
+    require_runner(await caller(request))
+    return JSONResponse(await groups.close_group(svc, group_id))

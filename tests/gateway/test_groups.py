@@ -249,3 +249,39 @@ async def test_places_of_a_group_whose_sessions_were_all_abandoned_come_back(mak
         await service.tick(now=time.time() + service.settings.group_timeout_s + 1)
         assert await admitted(gw) == 0
         assert (await admin_get(gw, "/v1/groups/deserted"))["status"] == "abandoned"
+
+
+async def test_a_group_filled_one_by_one_is_closed_early_by_its_caller(make_gw: Any) -> None:
+    """A group created one session at a time cannot know whether more sessions will come, so an abandoned
+    session does not shrink it (its free places wait for the group timeout). POST /v1/groups/{id}/close says
+    no more will come: the unused places come back at once and the finished session is trained straight
+    away as a smaller group (complete: false)."""
+    async with make_gw(["4"]) as gw:
+        await trainer(gw, 0, batch_size=2)  # limit 8
+        first, second = [await gw.session(group_id="lazy") for _ in range(2)]
+        assert await admitted(gw) == 4  # the whole group of four
+        await _episode(gw, first, reward=1.0)
+        assert (await gw.post(f"/v1/sessions/{second['session_id']}/abandon", key=ADMIN)).status_code == 200
+        assert await admitted(gw) == 3
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        # two places are still free: the group waits (nothing to lease) ...
+        resp = await gw.http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 1}, headers=headers)
+        assert resp.status_code == 204 and (await admin_get(gw, "/v1/groups/lazy"))["status"] == "open"
+        assert (await gw.post("/v1/groups/lazy/close", key=AGENT)).status_code == 403
+        assert (await gw.post("/v1/groups/nope/close", key=ADMIN)).status_code == 404
+        # ... until its caller closes it
+        resp = await gw.post("/v1/groups/lazy/close", key=ADMIN)
+        assert resp.status_code == 200 and resp.json()["status"] == "finished", resp.text
+        assert await admitted(gw) == 1  # only the finished session is still charged
+        resp = await gw.http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 10}, headers=headers)
+        assert resp.status_code == 200
+        from agentrl.trajectory import decode_batch
+
+        rows, meta = decode_batch(resp.content)
+        assert [g["group_id"] for g in meta["groups"]] == ["lazy"] and meta["groups"][0]["complete"] is False
+        assert {r.session_id for r in rows} == {first["session_id"]}
+        # closing again changes nothing; a later session of the id starts the id's next group (charged)
+        assert (await gw.post("/v1/groups/lazy/close", key=ADMIN)).status_code == 200
+        assert await admitted(gw) == 1
+        await gw.session(group_id="lazy")
+        assert await admitted(gw) == 5
