@@ -676,7 +676,11 @@ class TrajectoryService:
         """``POST /admin/trainer``: register the trainer or move its version (see gateway.staleness)."""
         running = await self.store.list_sessions(status=["active", "finished"])
         queued = await self.queue.counts()
-        pending = sum(not s.is_eval for s in running) + queued.pending_sessions
+        # places reserved by open groups and not taken yet are charged too: the sessions that take them
+        # later are not charged again (and the places, if never taken, are given back at the close)
+        reserved = await self.store.open_groups(created_before=float("inf"))
+        pending = (sum(not s.is_eval for s in running) + queued.pending_sessions
+                   + sum(g.places - g.created for g in reserved))
         state = await self.staleness.configure(version=version, batch_size=batch_size,
                                                staleness_bound=staleness_bound, group_size=group_size,
                                                pending_sessions=pending)

@@ -285,3 +285,18 @@ async def test_a_group_filled_one_by_one_is_closed_early_by_its_caller(make_gw: 
         assert await admitted(gw) == 1
         await gw.session(group_id="lazy")
         assert await admitted(gw) == 5
+
+
+async def test_a_new_trainer_registration_counts_the_places_open_groups_reserved(make_gw: Any) -> None:
+    """A new registration restarts the budget from what is pending: running sessions, queued ones AND the
+    places of open groups not taken yet (their sessions will not be charged when they come). Without the
+    last, the budget fell below what was really admitted and later releases drove it lower still."""
+    async with make_gw(["4"]) as gw:
+        await trainer(gw, 0, batch_size=2)
+        for _ in range(2):
+            await gw.session(group_id="half")  # reserves four places, takes two
+        assert await admitted(gw) == 4
+        state = await trainer(gw, 0, batch_size=3)  # different batch size: a new registration
+        assert state["admitted"] == 4 and await admitted(gw) == 4
+        resp = await gw.post("/v1/groups/half/close", key=ADMIN)
+        assert resp.status_code == 200 and await admitted(gw) == 2  # exactly the two sessions
