@@ -64,7 +64,7 @@ class HostBuffer:
 
 def save_file_fast(named: Iterable[tuple[str, torch.Tensor]], path: str | Path, *,
                    metadata: dict[str, str] | None = None, buffer: HostBuffer | None = None,
-                   threads: int = 8) -> int:
+                   threads: int = 8, overwrite: bool = False) -> int:
     """Write ``named`` tensors (any devices; contiguous or not) as one safetensors file. Returns bytes written.
 
     ``buffer``: keep it between calls to reuse the (pinned) host memory. Tensors must not share names."""
@@ -84,7 +84,7 @@ def save_file_fast(named: Iterable[tuple[str, torch.Tensor]], path: str | Path, 
             pieces.append((offset, t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
     spans = [(offset + start, array[start:start + WRITE_CHUNK]) for offset, array in pieces
              for start in range(0, len(array), WRITE_CHUNK)]
-    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_TRUNC), 0o644)
     try:
         os.ftruncate(fd, len(head) + nbytes)
         os.pwrite(fd, head, 0)

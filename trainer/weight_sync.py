@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import secrets
 import shutil
 import threading
@@ -212,17 +213,26 @@ def with_tied_copies(tensors: Iterable[tuple[str, torch.Tensor]],
 
 
 def save_hf_dir(tensors: Iterable[tuple[str, torch.Tensor]], config: Any, target: Path, source_dir: Path | None,
-                *, buffer: HostBuffer | None = None) -> Path:
+                *, buffer: HostBuffer | None = None, reuse: Path | None = None) -> Path:
     """Write an HF model directory (model.safetensors, config.json with ``architectures``,
     generation_config.json, tokenizer files) atomically. ``tensors`` come from ``iter_full_tensors``, which
     leaves out tied duplicates (``lm_head.weight``): the standard tied save, which SGLang's loaders expect.
     They may be on a GPU: :func:`trainer.safetensors_io.save_file_fast` copies them into one (pinned, reused
-    with ``buffer``) host buffer and writes it from several threads."""
+    with ``buffer``) host buffer and writes it from several threads. ``reuse``: an old directory of the same
+    model that nobody reads any more; its ``model.safetensors`` is overwritten in place (its memory pages on
+    a tmpfs such as /dev/shm are already there: a copy, not a fresh allocation of every page)."""
     target = Path(target)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file_fast(tensors, tmp / "model.safetensors", metadata={"format": "pt"}, buffer=buffer)
+    recycled = reuse is not None and (Path(reuse) / "model.safetensors").is_file()
+    if recycled:
+        os.rename(reuse, tmp)
+        for old in tmp.iterdir():
+            if old.name != "model.safetensors":
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        tmp.mkdir(parents=True)
+    save_file_fast(tensors, tmp / "model.safetensors", metadata={"format": "pt"}, buffer=buffer, overwrite=recycled)
     if not getattr(config, "architectures", None):  # vLLM and SGLang pick the model class by it
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -266,11 +276,23 @@ class DiskSync:
         if info.is_main:
             if self._needs_tied_copies():
                 tensors = with_tied_copies(tensors, model)
-            save_hf_dir(tensors, model.config, path, self.source_dir, buffer=self._host)
+            started = time.perf_counter()
+            save_hf_dir(tensors, model.config, path, self.source_dir, buffer=self._host, reuse=self._recyclable(path))
+            log.info("staged v%d in %.2fs", version, time.perf_counter() - started)
             return path
         for _ in tensors:  # take part in every gather
             pass
         return None
+
+    def _recyclable(self, target: Path) -> Path | None:
+        """The oldest sync directory that is neither served (nor the rollback target) nor ``target``: its file
+        is overwritten for the new version, so a steady run keeps ``keep`` directories and reuses their pages."""
+        if not self.sync_dir.is_dir():
+            return None
+        served = Path(self.served_path).resolve()
+        old = [p for p in self.sync_dir.glob("v*") if p.is_dir() and not p.name.endswith(".tmp")
+               and p.resolve() not in (served, Path(target).resolve())]
+        return min(old, key=lambda p: p.stat().st_mtime) if old else None
 
     def _needs_tied_copies(self) -> bool:
         """vLLM (0.32) reloads a tied-embedding model in place only when the checkpoint names the output

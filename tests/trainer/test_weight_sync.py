@@ -194,3 +194,32 @@ def test_a_failed_step_gives_the_engines_memory_and_generation_back(trainer_engi
         with engines_released(["not_a_tag"], 0, info=dist_info, control=control, client=client):
             pytest.fail("the step must not run")
     assert httpx.get(f"{trainer_engine}/get_server_info", timeout=10).json()["internal_states"][0]["paused"] is None
+
+
+def test_disk_pushes_overwrite_the_oldest_unserved_directory_in_place(model, dist_info, tmp_path, tiny_model_dir):
+    """Steady state: push N rewrites the file of push N-2 (not served, not the rollback target) in place."""
+    from safetensors.torch import load_file
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"success": True, "message": "ok", "status": "ok"})
+
+    client = httpx.Client(transport=httpx.MockTransport(engine))
+    disk = DiskSync(sync_dir=tmp_path / "sync", source_dir=tiny_model_dir, client=client)
+    control = DirectControl(["http://engine"], client=client)
+    inodes = {}
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            model.get_input_embeddings().weight.add_(1.0)
+        push_weights(model, version, info=dist_info, transport=disk, control=control)
+        inodes[version] = (tmp_path / "sync" / f"v{version}" / "model.safetensors").stat().st_ino
+        assert disk.served_path == tmp_path / "sync" / f"v{version}"
+    assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v2", "v3"]
+    assert inodes[3] == inodes[1] and inodes[2] != inodes[1]  # v1's file became v3's
+    saved = load_file(str(tmp_path / "sync" / "v3" / "model.safetensors"))
+    from trainer.model import iter_full_tensors
+
+    full = dict(iter_full_tensors(model))
+    assert set(saved) == set(full)
+    for name, value in full.items():
+        assert torch.equal(saved[name], value.to(saved[name].dtype)), name
+    assert (tmp_path / "sync" / "v3" / "config.json").is_file()
