@@ -52,6 +52,7 @@ def _turns(gw: GatewayProc, session_id: str) -> int:
     return int(tree["num_interactions"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
 def test_a_client_that_disconnects_aborts_the_engine_request_and_records_nothing(
         gateway_factory: Callable[..., GatewayProc], stream: bool) -> None:
