@@ -15,8 +15,8 @@ parameters (the embedded engine implements them, ``engine/grammar.py``; vLLM get
 | ``response_format`` ``json_object`` | ``json_schema: '{"type": "object"}'`` (what SGLang's own OpenAI server sends) |
 | ``response_format`` ``json_schema`` (``strict`` or not) | ``json_schema``: the schema as JSON text |
 | ``regex`` / ``ebnf`` (SGLang's and vLLM's extension fields) | ``regex`` / ``ebnf`` |
-| ``tool_choice`` ``"required"`` / named function | ``structural_tag``: one or more ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` blocks (the format the chat layer parses, ``gateway/chat/tool_parser.py``), the arguments held to the function's ``parameters`` schema; only the named function when one is named; exactly one call with ``parallel_tool_calls: false`` |
-| ``tools`` with ``tool_choice`` ``auto`` and a JSON ``response_format`` | ``structural_tag``: either tool calls or the JSON |
+| ``tool_choice`` ``"required"`` / named function | ``ebnf``: one or more ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` blocks (the format the chat layer parses, ``gateway/chat/tool_parser.py``), each call compact JSON held to its function's ``parameters`` schema; only the named function when one is named; exactly one block with ``parallel_tool_calls: false`` |
+| ``tools`` with ``tool_choice`` ``auto`` and a JSON ``response_format`` | ``ebnf``: either tool-call blocks or the JSON |
 
 A forced tool call together with a JSON ``response_format`` is refused (as SGLang does: both cannot be
 honoured). ``parallel_tool_calls: false`` (Messages: ``disable_parallel_tool_use``) is enforced when a call is

@@ -354,3 +354,56 @@ async def test_router_records_per_token_versions_from_weight_version_spans() -> 
 
     assert span_versions([{"version": "3", "start": 0, "end": 2}], 3) is None  # spans not covering: unused
     assert span_versions([{"version": "default", "start": 0, "end": 3}], 3) is None
+
+
+async def test_a_constrained_generation_starts_over_after_a_pause_instead_of_continuing() -> None:
+    """A grammar cannot continue from prompt + partial output (the engine would restart it inside the
+    output): unstreamed, the partial output is dropped and the request re-sent as it was; streamed, once
+    tokens went out, the stream fails instead of producing output the grammar never checked."""
+    grammar = {"regex": "[a-z]+"}
+    calls: list[dict[str, Any]] = []
+    router_box: list[EngineRouter] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/pause_generation", "/continue_generation"):
+            return httpx.Response(200, json={"status": "ok"})
+        req = json.loads(request.content)
+        calls.append(req)
+        if len(calls) == 1:  # a weight sync pauses the engines while this one runs: aborted with 2 tokens
+            await router_box[0].pause()
+            return httpx.Response(200, json=body([10, 11], {"type": "abort", "message": "paused"}))
+        return httpx.Response(200, json=body([20, 21, 22, EOT], {"type": "stop", "matched": EOT}))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        router = EngineRouter([EngineClient("http://a", http)])
+        router_box.append(router)
+        params = SamplingParams(max_new_tokens=20, grammar=grammar)
+        task = asyncio.create_task(collect(router, [1, 2], params, affinity_key=None, stream=False))
+        for _ in range(200):
+            if router.held:
+                break
+            await asyncio.sleep(0.01)
+        assert router.held == 1
+        await router.resume(3)
+        gen = await asyncio.wait_for(task, 5)
+    assert gen.output_ids == [20, 21, 22, EOT] and gen.versions == [3] * 4  # all of it from the new weights
+    assert calls[1]["input_ids"] == [1, 2] and calls[1]["sampling_params"]["max_new_tokens"] == 20
+    assert calls[1]["sampling_params"]["regex"] == "[a-z]+"
+
+    engine = FakeEngine("a", [10, 11, 12, 13, 14, 15, EOT])
+    router, clients = make_router(engine)
+
+    async def consume() -> None:
+        async for _ in router.generate([1, 2], SamplingParams(max_new_tokens=50, grammar=grammar),
+                                       affinity_key=None, stream=True):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(engine.step.wait(), 5)
+    await router.pause()
+    with pytest.raises(EngineError, match="grammar-constrained stream was interrupted"):
+        await asyncio.wait_for(task, 5)
+    assert len(engine.requests) == 1  # never re-sent as prompt + partial output
+    await router.resume(1)
+    for c in clients:
+        await c.aclose()

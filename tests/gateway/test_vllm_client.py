@@ -263,3 +263,40 @@ async def test_the_engines_refusal_stays_the_error_when_the_abort_fails_too() ->
     with pytest.raises(ContextLengthExceeded):
         async for _ in client.generate_stream([1], SamplingParams(max_new_tokens=2), 2):
             pass
+
+
+@pytest.mark.slow  # importing vLLM in its venv: ~30 s, minutes on a loaded machine
+def test_grammars_go_to_vllm_as_structured_outputs_its_own_class_accepts() -> None:
+    """Each grammar the gateway builds (gateway.constraints) as vLLM 0.32's ``structured_outputs``, checked
+    with vLLM's own ``StructuredOutputsParams`` in ``.venv-vllm`` (skipped where that venv is absent)."""
+    import subprocess
+
+    from gateway.constraints import check_grammar, grammar_of
+    from gateway.engines.vllm import sampling_params
+    from gateway.wire import ChatCompletionRequest
+    from tests.vllm.server import VENV
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    cases = [({"response_format": {"type": "json_object"}}, {"json": {"type": "object"}}),
+             ({"regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+             ({"ebnf": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+             ({"tools": tools, "tool_choice": "required"}, None)]
+    wires = []
+    for fields, expected in cases:
+        grammar = check_grammar(grammar_of(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                                                 **fields)))  # type: ignore[arg-type]
+        wire = sampling_params(SamplingParams(max_new_tokens=4, grammar=grammar.sampling()), 4)
+        if expected is not None:
+            assert wire["structured_outputs"] == expected
+        else:
+            assert set(wire["structured_outputs"]) == {"grammar"} and "tool_call" in wire["structured_outputs"]["grammar"]
+        wires.append(wire["structured_outputs"])
+    assert sampling_params(SamplingParams(max_new_tokens=4), 4).get("structured_outputs") is None
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"{VENV} not there: vLLM's own class not checked")
+    check = ("import json, sys\nfrom vllm.sampling_params import StructuredOutputsParams\n"
+             "for d in json.loads(sys.stdin.read()):\n    StructuredOutputsParams(**d)\nprint('ok')")
+    done = subprocess.run([str(python), "-c", check], input=json.dumps(wires), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
