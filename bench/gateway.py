@@ -88,6 +88,8 @@ def parse_wrk(output: str) -> dict[str, Any]:
         "p50_ms": raw["p50_us"] / 1e3, "p90_ms": raw["p90_us"] / 1e3, "p99_ms": raw["p99_us"] / 1e3,
         "mean_ms": raw["mean_us"] / 1e3, "max_ms": raw["max_us"] / 1e3, "errors": errors,
         "turn_p50_ms": [None if v is None else v / 1e3 for v in raw["turn_p50_us"]], "turn_n": raw["turn_n"],
+        "error_kinds": {k: raw[k] for k in ("connect_errors", "read_errors", "write_errors", "timeouts", "non200")
+                        if raw[k]},
     }
 
 
@@ -214,6 +216,14 @@ def recorded(db: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ the run
 
+def drain(t: Target) -> None:
+    """Wait until the requests a previous wrk run left in flight at ``t`` are served (one more request goes
+    through behind them), so that they do not land on the next measurement."""
+    body = (t.body_file or t.extra["stream_body"]).read_bytes()
+    httpx.post(t.url, content=body, headers={"Authorization": f"Bearer {t.key}", "Content-Type": "application/json"},
+               timeout=600)
+
+
 def measure(targets: list[Target], levels: list[int], duration_s: float, turns: int, scenarios: list[str],
             loads: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
@@ -227,12 +237,18 @@ def measure(targets: list[Target], levels: list[int], duration_s: float, turns: 
                     continue
                 body = (t.extra["stream_body"] if stream else t.body_file) if mode == "raw" else None
                 tag = f"{run_tag}{t.name}{scenario}{c}"
-                argv = wrk_argv(t.url, concurrency=c, duration_s=duration_s, mode=mode, turns=turns, stream=stream,
+                # long enough for every connection to finish a few requests at a few tens of req/s
+                seconds = max(duration_s, c / 10)
+                argv = wrk_argv(t.url, concurrency=c, duration_s=seconds, mode=mode, turns=turns, stream=stream,
                                 key=t.key, tag=tag, body_file=body)
-                warm = wrk_argv(t.url, concurrency=c, duration_s=1, mode=mode, turns=turns, stream=stream,
+                # a small warm-up: the requests wrk leaves in flight when it stops are still served, and a
+                # backlog of 128 would land on the measurement
+                warm = wrk_argv(t.url, concurrency=min(c, 4), duration_s=1, mode=mode, turns=turns, stream=stream,
                                 key=t.key, tag="w" + tag, body_file=body)
-                run_wrk(warm, timeout_s=duration_s + 120)
-                r = run_wrk(argv, timeout_s=duration_s + 180)
+                drain(t)
+                run_wrk(warm, timeout_s=120)
+                drain(t)
+                r = run_wrk(argv, timeout_s=seconds + 180)
                 r.update(target=t.name, scenario=scenario, concurrency=c)
                 results.append(r)
                 turn_info = ""
@@ -315,7 +331,8 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds of load per measurement")
+    parser.add_argument("--duration", type=float, default=5.0,
+                        help="seconds of load per measurement (at least concurrency / 10)")
     parser.add_argument("--concurrency", default="1,8,32,128")
     parser.add_argument("--turns", type=int, default=20, help="turns per session in the session scenarios")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
@@ -341,7 +358,8 @@ def main() -> int:
     print(f"machine: {info['cores']} cores, {info['cpu']}; {info['uptime']}", flush=True)
     loads: list[dict[str, Any]] = []
     prefixes: list[str] = []
-    with Processes(work / "logs") as procs, pg_database("pg") as pg1, pg_database("w2") as pg2:
+    # the databases outlive the processes (the innermost context ends first)
+    with pg_database("pg") as pg1, pg_database("w2") as pg2, Processes(work / "logs") as procs:
         up_port = free_port()
         upstream = f"http://127.0.0.1:{up_port}"
         child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),

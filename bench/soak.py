@@ -3,8 +3,8 @@
 1. **Soak.** One gateway process (PostgreSQL + Redis by default, ``--db sqlite`` for SQLite) over the
    instant stand-in upstream; ``wrk`` runs ``--agents`` connections, each an agent running 20-turn sessions
    with a growing history (``bench/wrk/chat.lua``, one connection per wrk thread), in implicit mode, for
-   ``--seconds`` (120). Reported: requests, errors (must be 0: connect/read/write errors, timeouts, non-200
-   answers), the gateway's RSS right after the warm-up (``--warmup``, 20 s) and at the end (target: within
+   ``--seconds`` (120), each agent waiting up to 600 s for an answer (the openai SDK's default timeout).
+   Reported: requests, errors (must be 0: connect/read/write errors, timeouts, non-200 answers), the gateway's RSS right after the warm-up (``--warmup``, 20 s) and at the end (target: within
    10%), and the lifecycle's last tick time during the load.
 2. **Tick vs history.** In this process, on a fresh SQLite file and a fresh PostgreSQL database (+ Redis):
    seed finished (consumed) sessions with bulk SQL (each with one turn and, every 8th, a closed group),
@@ -57,6 +57,9 @@ def _bench() -> Any:
 bench = _bench()
 
 
+CLIENT_TIMEOUT_S = 600  # the openai SDK's default request timeout: what an agent waits before giving up
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -71,7 +74,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {"agents": args.agents, "seconds": args.seconds, "warmup_s": args.warmup,
                            "db": args.db, "load_before": bench.loadavg()}
-    with Processes(work / "logs") as procs, bench.pg_database("soak") as pg:
+    with bench.pg_database("soak") as pg, Processes(work / "logs") as procs:  # the processes stop first
         up_port = free_port()
         upstream = f"http://127.0.0.1:{up_port}"
         child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
@@ -97,7 +100,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         sampler.start()
         argv = bench.wrk_argv(base + "/v1/chat/completions", concurrency=args.agents, duration_s=args.seconds,
                               mode="session", turns=args.turns, stream=False, key=bench.AGENT,
-                              tag=uuid.uuid4().hex[:6], timeout_s=120)
+                              tag=uuid.uuid4().hex[:6], timeout_s=CLIENT_TIMEOUT_S)
         print(f"soak: {args.agents} agents x {args.turns}-turn sessions for {args.seconds:g} s on {args.db} ...",
               flush=True)
         try:
@@ -263,7 +266,8 @@ def main() -> int:
     if not args.skip_soak:
         s = payload["soak"] = soak(args, work)
         w = s["wrk"]
-        print(f"soak: {w['requests']} requests in {w['seconds']:.0f} s ({w['rps']:.1f} req/s), errors {w['errors']}, "
+        print(f"soak: {w['requests']} requests in {w['seconds']:.0f} s ({w['rps']:.1f} req/s), errors {w['errors']} "
+              f"{w['error_kinds'] or ''}, "
               f"p50 {w['p50_ms']:.1f} ms, p99 {w['p99_ms']:.1f} ms; turns recorded {s['store']['turns']} in "
               f"{s['store']['sessions']} sessions")
         print(f"soak: gateway RSS idle {s['rss_idle_mb']:.0f} MB, after warm-up ({args.warmup:g} s) "

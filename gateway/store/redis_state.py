@@ -30,6 +30,8 @@ from gateway.store.records import SessionRecord
 
 log = logging.getLogger(__name__)
 
+REDIS_MAX_CONNECTIONS = 128  # per gateway process
+REDIS_POOL_TIMEOUT_S = 30.0  # waiting longer for a free connection is an outage (503)
 SESSION_TTL_S = 24 * 3600
 CHAIN_TTL_S = 24 * 3600
 SEQ_TTL_S = 3600
@@ -61,7 +63,12 @@ class RedisState:
 
     @classmethod
     async def connect(cls, url: str, prefix: str) -> RedisState:
-        client = aioredis.Redis.from_url(url, decode_responses=False)
+        # A blocking pool: a burst of requests beyond the pool's size waits for a connection (Redis
+        # commands take microseconds). The default pool raised "Too many connections" at once past 100
+        # concurrent commands, which made 1,000 concurrent agents (bench/soak.py) see 503s.
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=REDIS_MAX_CONNECTIONS,
+                                                        timeout=REDIS_POOL_TIMEOUT_S, decode_responses=False)
+        client = aioredis.Redis.from_pool(pool)
         try:
             await client.ping()
         except RedisError as exc:
