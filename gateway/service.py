@@ -458,7 +458,11 @@ class GenerationService:
         output becomes an HTTP error instead of the start of a stream. Returns the turn's events."""
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue)) for run in runs]
-        first = await queue.get()
+        try:
+            first = await queue.get()
+        except BaseException:  # cancelled (the client left before the first token): so are its choices
+            await _cancel(tasks)
+            raise
         if first[0] == "error":
             await _cancel(tasks)
             raise first[1]

@@ -92,11 +92,11 @@ async def _disconnect(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` (a whole non-streamed turn) while watching the client's connection: if the client
-    goes away first, ``work`` is cancelled, which aborts its engine requests and records nothing (a
-    streamed answer gets the same from Starlette, which stops the stream when its client disconnects), and
-    :class:`ClientDisconnected` is raised. Without this the turn would generate to ``max_tokens`` for a
-    reader that is gone."""
+    """Await ``work`` (a whole non-streamed turn, or a streamed turn up to its first event) while watching
+    the client's connection: if the client goes away first, ``work`` is cancelled, which aborts its engine
+    requests (or drops its generation held by a pause) and records nothing, and :class:`ClientDisconnected`
+    is raised. Once a stream has begun, Starlette stops it when its client disconnects, to the same effect.
+    Without this the turn would generate to ``max_tokens`` for a reader that is gone."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnect(request))
     try:

@@ -34,8 +34,8 @@ async def create_message(request: Request) -> Response:
     chat = fmt.to_chat_request(req, conv)
     service = GenerationService(svc, owner=who.owner)
     if req.stream:
-        plan, runs, events = await service.stream_turn(chat, session, id_prefix="msg_",
-                                                       meta=fmt.recorded_meta(conv))
+        plan, runs, events = await unless_disconnected(
+            request, service.stream_turn(chat, session, id_prefix="msg_", meta=fmt.recorded_meta(conv)))
         stream = fmt.MessageStream(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
         return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
     plan, runs = await unless_disconnected(

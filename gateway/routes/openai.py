@@ -32,7 +32,7 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
         return await _completion_batch(request, req, session, who.owner)
     service = GenerationService(svc, owner=who.owner)
     if req.stream:
-        plan, runs, events = await service.stream_turn(req, session)
+        plan, runs, events = await unless_disconnected(request, service.stream_turn(req, session))
         return StreamingResponse(stream(req, plan, runs, events, svc.model_name, svc.tokenizer),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     plan, runs = await unless_disconnected(request, service.run_turn(req, session))

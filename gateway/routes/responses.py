@@ -37,8 +37,8 @@ async def create_response(request: Request) -> Response:
     chat = fmt.to_chat_request(req, conv)
     service = GenerationService(svc, owner=who.owner)
     if req.stream:
-        plan, runs, events = await service.stream_turn(chat, session, id_prefix="resp_",
-                                                       meta=fmt.recorded_meta(conv))
+        plan, runs, events = await unless_disconnected(
+            request, service.stream_turn(chat, session, id_prefix="resp_", meta=fmt.recorded_meta(conv)))
         stream = fmt.ResponseStream(req, conv, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
         return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
     created = time.time()

@@ -90,3 +90,42 @@ def test_a_client_that_disconnects_aborts_the_engine_request_and_records_nothing
     reply = client.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=3)
     assert reply.choices[0].message.role == "assistant"
     assert _turns(gw, session["session_id"]) == 1
+
+
+def _held(gw: GatewayProc) -> float:
+    text = httpx.get(gw.base_url + "/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("agentrl_gateway_held_generations "))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "non-streamed"])
+def test_a_client_that_leaves_while_a_pause_holds_its_turn_drops_the_turn(
+        gateway_factory: Callable[..., GatewayProc], stream: bool) -> None:
+    """A turn held by a pause has sent nothing to the engine and, streamed, not even the response headers:
+    when its client leaves, the held generation is dropped at once (it used to wait for the resume, then
+    generate for nobody)."""
+    gw = gateway_factory()
+    session = gw.create_session(group_id="gone")
+    payload = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64,
+                          "stream": stream}).encode()
+    host, port = gw.base_url.removeprefix("http://").split(":")
+    with gw.admin() as admin:
+        assert admin.post("/admin/pause", json={}).status_code == 200
+        try:
+            with socket.create_connection((host, int(port)), timeout=60) as sock:
+                sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer "
+                             f"{session['api_key']}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+                deadline = time.monotonic() + 120
+                while _held(gw) < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert _held(gw) == 1
+            deadline = time.monotonic() + 60
+            while _held(gw) > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _held(gw) == 0, "the held turn outlived its client"
+        finally:
+            assert admin.post("/admin/resume", json={"weight_version": 0}).status_code == 200
+    _wait_idle(gw.engine_urls[0])
+    assert _turns(gw, session["session_id"]) == 0
