@@ -72,9 +72,21 @@ def lua(body: dict[str, object], auth: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def wrk(url: str, script: Path, concurrency: int, duration: float) -> dict[str, float]:
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process (and its threads) so far: what a request costs it, whatever else
+    runs on the machine (latency on a shared machine measures the neighbours as much as the gateway)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(url: str, script: Path, concurrency: int, duration: float, pid: int | None = None) -> dict[str, float]:
+    cpu = cpu_seconds(pid)
     out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{duration:g}s", "--latency", "-s", str(script),
                           url], check=True, capture_output=True, text=True).stdout
+    cpu = cpu_seconds(pid) - cpu
+    done = int(re.search(r"(\d+) requests in", out).group(1))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)\b", out)
     scale = {"us": 0.001, "ms": 1.0, "s": 1000.0}[p50.group(2)]
@@ -83,7 +95,7 @@ def wrk(url: str, script: Path, concurrency: int, duration: float) -> dict[str, 
     if errors or sock:
         print(f"  wrk reported errors: {errors.group(0) if errors else ''} {sock.group(0) if sock else ''}",
               file=sys.stderr)
-    return {"rps": rps, "p50": float(p50.group(1)) * scale}
+    return {"rps": rps, "p50": float(p50.group(1)) * scale, "cpu_ms": 1000.0 * cpu / max(1, done)}
 
 
 # A sample belongs to the first phase (outermost frame first) whose marker (a substring of
@@ -103,8 +115,13 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
                                                             "get_session")),
     ("response encoding", ("json_response", "chat_response", "chat_chunks", "gateway/formats/")),
 ]
-HTTP_TIER = ("HTTP + JSON parse (uvicorn, Starlette/FastAPI, middleware)",
-             ("httptools_impl", "h11_impl", "starlette/", "fastapi/", "read_json", "read_body", "metrics.py"))
+HTTP_TIER = [("HTTP + JSON parse (uvicorn, Starlette/FastAPI, middleware)",
+              ("httptools_impl", "h11_impl", "starlette/", "fastapi/", "read_json", "read_body", "metrics.py")),
+             # SQLAlchemy runs statements in greenlets, whose stacks py-spy sees without their callers
+             ("SQL statements (SQLAlchemy in a greenlet: callers not visible)", ("sqlalchemy/", "aiosqlite/"))]
+# The event loop's own frame as the innermost one: uvloop in C, waiting in epoll or running callbacks
+# (not told apart without py-spy --native); left out of the shares like idle samples.
+LOOP = "Runner.run (asyncio/runners.py"
 # Frames of a thread waiting for work (py-spy counts a wait with a timeout as active): the event loop in
 # epoll, a thread pool's or aiosqlite's worker waiting on its queue.
 IDLE = ("epoll_pwait", "uv__io_poll (linux.c:1452)", "_worker (concurrent/futures/thread.py:81)",
@@ -116,7 +133,9 @@ def classify(stack: str) -> str | None:
     frames = stack.split(";")
     if any(idle in frame for frame in frames for idle in IDLE):
         return None
-    for tier in (PHASES, [HTTP_TIER]):
+    if frames[-1].startswith(LOOP):
+        return "loop"
+    for tier in (PHASES, HTTP_TIER):
         for frame in frames:
             for phase, markers in tier:
                 if any(m in frame for m in markers):
@@ -149,9 +168,10 @@ def profile(pid: int, out: Path, seconds: float, run: callable) -> Counter[str]:
 
 
 def print_shares(shares: Counter[str], what: str) -> None:
-    idle = shares.pop("idle", 0)
+    idle, loop = shares.pop("idle", 0), shares.pop("loop", 0)
     total = sum(shares.values())
-    print(f"\npy-spy samples of {what}: {total} busy samples of all threads ({idle} idle ones left out)")
+    print(f"\npy-spy samples of {what}: {total} samples in Python code of all threads ({idle} idle ones and "
+          f"{loop} of the event loop in C left out)")
     for phase, n in shares.most_common():
         print(f"  {phase:55s} {100.0 * n / total:5.1f} %")
 
@@ -212,9 +232,11 @@ def main() -> int:
         prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
         targets = {"upstream": (upstream + "/generate", {"input_ids": list(prompt), "return_logprob": True,
                                                          "sampling_params": {"max_new_tokens": 64}}, None)}
+        pids: dict[str, int | None] = {"upstream": None}
         for label, url in gateways.items():
             for turn in (1, 2, 20):
                 targets[f"{label}turn {turn}"] = (url + "/v1/chat/completions", chat_body(turn), AGENT)
+                pids[f"{label}turn {turn}"] = procs_by_name[label].proc.pid
         scenarios = [s for s in scenarios if s == "upstream"] + [
             f"{label}{s}" for s in scenarios if s != "upstream" for label in gateways]
         scripts = {}
@@ -226,7 +248,8 @@ def main() -> int:
         for run in range(args.runs):
             for c in levels:
                 for name in scenarios:
-                    results.setdefault((name, c), []).append(wrk(targets[name][0], scripts[name], c, args.duration))
+                    results.setdefault((name, c), []).append(
+                        wrk(targets[name][0], scripts[name], c, args.duration, pids[name]))
         shares: Counter[str] | None = None
         if args.profile:
             name = args.profile_scenario
@@ -237,14 +260,15 @@ def main() -> int:
     load = os.getloadavg()
     print(f"\ngateway turns over an instant upstream: {os.cpu_count()} cores, load {load[0]:.2f}/{load[1]:.2f}, "
           f"wrk -t1 -d{args.duration:g}s, median of {args.runs} runs")
-    print(f"{'scenario':15s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'added p50':>10s}")
+    print(f"{'scenario':15s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'added p50':>10s} {'gateway CPU ms/turn':>20s}")
     for c in levels if args.runs else []:
         base = statistics.median(r["p50"] for r in results.get(("upstream", c), [{"p50": 0.0}]))
         for name in scenarios:
             rs = results[(name, c)]
             rps, p50 = statistics.median(r["rps"] for r in rs), statistics.median(r["p50"] for r in rs)
             added = f"{p50 - base:10.2f}" if name != "upstream" else f"{'':10s}"
-            print(f"{name:15s} {c:4d} {rps:8.1f} {p50:8.2f} {added}")
+            cpu = f"{statistics.median(r['cpu_ms'] for r in rs):20.2f}" if name != "upstream" else ""
+            print(f"{name:15s} {c:4d} {rps:8.1f} {p50:8.2f} {added} {cpu}")
         if ("turn 1", c) in results and ("turn 20", c) in results:
             for label in gateways:
                 t1 = statistics.median(r["p50"] for r in results[(f"{label}turn 1", c)])
