@@ -17,6 +17,8 @@ from agentrl.trajectory import UntrainableSampling, export_session, turn_from_in
 from tests.gateway.conftest import GatewayProc
 from tests.gateway.test_processes import read_turns, sdk
 
+pytestmark = pytest.mark.slow  # a gateway process per test over the shared tiny engine: ~30-90 s each here
+
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
@@ -142,7 +144,7 @@ def test_responses_and_messages_enforce_their_fields(gateway: GatewayProc) -> No
         assert isinstance(uses[0].input, dict) and set(uses[0].input) == {"utc"}
 
 
-@pytest.mark.parametrize("kwargs, param", [
+BAD: list[tuple[dict[str, Any], str]] = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
@@ -153,15 +155,17 @@ def test_responses_and_messages_enforce_their_fields(gateway: GatewayProc) -> No
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "no-such-type"}}}}}], "tool_choice": "required"}, "tools[0].function.parameters"),
-])
-def test_bad_constraints_are_400s_with_param_and_record_nothing(gateway: GatewayProc, kwargs: dict[str, Any],
-                                                                 param: str) -> None:
+]
+
+
+def test_bad_constraints_are_400s_with_param_and_record_nothing(gateway: GatewayProc) -> None:
     sess = gateway.create_session()
     client = sdk(gateway, sess["api_key"])
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, stream=stream, **kwargs)
-        body = info.value.body
-        assert isinstance(body, dict) and body["param"] == param, body
+    for kwargs, param in BAD:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, stream=stream, **kwargs)
+            body = info.value.body
+            assert isinstance(body, dict) and body["param"] == param, (kwargs, body)
     tree = gateway.admin().get(f"/v1/sessions/{sess['session_id']}").json()
     assert tree["num_interactions"] == 0, tree
