@@ -625,25 +625,10 @@ def test_engine_memory_release_responses_match_sglang(engine_url):
         resp = post(engine_url, fx["route"], fx["request"])
         assert resp.status_code == fx["status"] and resp.json() is None, resp.text
     # busy: refused with SGLang's error shape (its scheduler asserts; ours answers 400)
-    events: list[str] = []
-    import threading
+    from tests.engine.conftest import running_generation
 
-    def read() -> None:
-        with httpx.stream("POST", engine_url + "/generate", timeout=120, json={
-                "input_ids": [1, 2, 3], "stream": True,
-                "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}) as r:
-            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not events and time.monotonic() < deadline:
-            time.sleep(0.05)
+    with running_generation(engine_url):
         fx = fixture("release_memory_occupation_fail")
         busy = post(engine_url, fx["route"], fx["request"])
         assert busy.status_code == fx["status"]
         assert_same_shape(shape(busy.json()), shape(fx["body"]))
-    finally:
-        post(engine_url, "/abort_request", {"abort_all": True})
-        reader.join(60)

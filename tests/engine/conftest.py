@@ -75,3 +75,32 @@ def reference_logprobs(model, prompt: list[int], output: list[int]) -> list[floa
         logits = model(input_ids=torch.tensor([prompt + output])).logits[0]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     return [logprobs[len(prompt) - 1 + k, tok].item() for k, tok in enumerate(output)]
+
+
+@contextmanager
+def running_generation(url: str) -> Iterator[list[str]]:
+    """A streamed generation as long as the engine's context allows, running for the whole block (its first
+    event has arrived, and it is not finished); aborted afterwards. Yields its ``data:`` lines so far."""
+    import threading
+
+    room = int(httpx.get(url + "/get_server_info", timeout=10).json()["context_length"]) - 3
+    events: list[str] = []
+    body = {"input_ids": [1, 2, 3], "stream": True,
+            "sampling_params": {"max_new_tokens": room, "ignore_eos": True, "temperature": 0.0}}
+
+    def read() -> None:
+        with httpx.stream("POST", url + "/generate", json=body, timeout=120) as resp:
+            events.extend(line for line in resp.iter_lines() if line.startswith("data: "))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert events, "the engine streamed nothing"
+        assert '"finish_reason":null' in events[0].replace(" ", ""), events[0]  # running, not refused
+        yield events
+    finally:
+        httpx.post(url + "/abort_request", json={"abort_all": True}, timeout=60)
+        reader.join(60)

@@ -7,14 +7,12 @@ after a resume, busy engines and bad tags refused. The freed GPU bytes are measu
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import pytest
 import torch
 
 from engine.memory import KV_CACHE, MEMORY_TAGS, WEIGHTS, MemoryOccupation, MemoryStateError, parse_tags
+from tests.engine.conftest import running_generation
 
 
 def post(url: str, path: str, body=None) -> httpx.Response:
@@ -114,29 +112,12 @@ def test_bad_tags_busy_engine_and_double_resume_are_400s(engine_url) -> None:
     assert released(engine_url) == []
 
     # a running request: refused (SGLang asserts the server is idle), nothing released
-    events: list[str] = []
-    room = int(httpx.get(engine_url + "/get_server_info", timeout=10).json()["context_length"]) - 3
-
-    def read() -> None:
-        body = {"input_ids": [1, 2, 3], "stream": True,
-                "sampling_params": {"max_new_tokens": room, "ignore_eos": True, "temperature": 0.0}}
-        with httpx.stream("POST", engine_url + "/generate", json=body, timeout=120) as resp:
-            events.extend(line for line in resp.iter_lines() if line.startswith("data: "))
-
-    reader = threading.Thread(target=read)
-    reader.start()
     try:
-        deadline = time.monotonic() + 60
-        while not events and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert events, "the engine streamed nothing"
-        assert '"finish_reason":null' in events[0].replace(" ", ""), events[0]  # running, not refused
-        busy = post(engine_url, "/release_memory_occupation", {"tags": ["kv_cache"]})
-        assert busy.status_code == 400 and "idle" in busy.json()["error"]["message"]
-        assert released(engine_url) == []
+        with running_generation(engine_url):
+            busy = post(engine_url, "/release_memory_occupation", {"tags": ["kv_cache"]})
+            assert busy.status_code == 400 and "idle" in busy.json()["error"]["message"]
+            assert released(engine_url) == []
     finally:
-        post(engine_url, "/abort_request", {"abort_all": True})
-        reader.join(60)
         if released(engine_url):  # a failed assertion above must not leave the shared engine asleep
             post(engine_url, "/resume_memory_occupation", None)
     assert greedy(engine_url)["meta_info"]["finish_reason"]["type"] == "length"
