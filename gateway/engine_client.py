@@ -413,6 +413,7 @@ class EngineState:
     failures: int = 0
     last_error: str | None = None
     last_check: float = 0.0
+    last_output: float = 0.0  # time.monotonic() of the last engine output received for a generation
 
     def as_json(self) -> dict[str, Any]:
         return {"url": self.client.base_url, "kind": self.client.kind, "healthy": self.healthy, "in_flight": self.in_flight,
@@ -429,6 +430,9 @@ class EngineRouter:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = [EngineState(c) for c in clients]
         self.health_interval_s = health_interval_s
+        # a failed probe of an engine that produced output for an in-flight request this recently is
+        # not taken as down (see check_health)
+        self.busy_window_s = health_interval_s + 10.0
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._affinity_size = affinity_size
         self._running = asyncio.Event()
@@ -468,7 +472,16 @@ class EngineRouter:
             await self._continue(sorted(self._owes_continue))
         results = await asyncio.gather(*(
             e.client.health(paused=self.paused and i in self._owes_continue) for i, e in enumerate(self.engines)))
+        now = time.monotonic()
         for state, ok in zip(self.engines, results):
+            if not ok and state.healthy and state.in_flight and now - state.last_output < self.busy_window_s:
+                # SGLang's /health is a generation queued behind the running batch: an engine busy with many
+                # requests can miss the probe's 5 s while it is visibly producing output for us. Taking it
+                # out of rotation for that turned load into 503s; a dead engine breaks its streams instead
+                # (_mark_failed), and a hung one stops producing output and fails the next probe.
+                log.info("engine %s missed a health probe while busy (%d in flight, output %.1f s ago): kept",
+                         state.client.base_url, state.in_flight, now - state.last_output)
+                ok = True
             if ok != state.healthy:
                 log.warning("engine %s is now %s", state.client.base_url, "healthy" if ok else "unhealthy")
             state.healthy = ok
@@ -611,11 +624,13 @@ class EngineRouter:
                 if stream:
                     async for out in state.client.generate_stream(segment_ids, params, remaining):
                         last = out
+                        state.last_output = time.monotonic()
                         self._merge(gen, base, out, segment_version)
                         if out.finish is None or out.finish != "abort":
                             yield gen
                 else:
                     last = await state.client.generate(segment_ids, params, remaining)
+                    state.last_output = time.monotonic()
                     self._merge(gen, base, last, segment_version)
             except EngineUnavailable as exc:
                 self._mark_failed(state, exc)

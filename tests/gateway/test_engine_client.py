@@ -407,3 +407,42 @@ async def test_a_constrained_generation_starts_over_after_a_pause_instead_of_con
     await router.resume(1)
     for c in clients:
         await c.aclose()
+
+
+class BusyEngine(FakeEngine):
+    """SGLang's /health queued behind a large running batch: the probe outlasts the gateway's 5 s."""
+
+    def __init__(self, name: str, reply: list[int]) -> None:
+        super().__init__(name, reply)
+        self.probe_times_out = True
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health" and self.probe_times_out:
+            raise httpx.ReadTimeout("health generation queued behind the batch", request=request)
+        return await super().handler(request)
+
+
+async def test_busy_engine_that_misses_a_health_probe_while_producing_output_stays_in_rotation() -> None:
+    """Seen on the H200 run: 128 concurrent episodes, the probe timed out, the engine left the rotation
+    and requests got 503s while it was serving them."""
+    engine = BusyEngine("a", [5, EOT])
+    router, clients = make_router(engine)
+    state = router.engines[0]
+    gen = await collect(router, [1], SamplingParams(max_new_tokens=5), affinity_key=None, stream=True)
+    assert gen.output_ids == [5, EOT] and state.last_output > 0  # output received: progress recorded
+    state.in_flight = 3  # requests still running on it
+    await router.check_health()
+    assert state.healthy  # missed probe, but busy and producing output
+    state.last_output -= router.busy_window_s + 1  # no output for longer than the window: a hung engine
+    await router.check_health()
+    assert not state.healthy
+    state.in_flight = 0
+    engine.probe_times_out = False
+    await router.check_health()
+    assert state.healthy
+    idle = BusyEngine("b", [5, EOT])  # an idle engine that fails its probe is out, as before
+    router2, clients2 = make_router(idle)
+    await router2.check_health()
+    assert not router2.engines[0].healthy
+    for c in clients + clients2:
+        await c.aclose()
