@@ -24,7 +24,10 @@ temperature its tokens were sampled at (greedy = 1: engines report temperature-1
 rows), so the trainer computes its logprobs of token ``t`` as ``log_softmax(logits / T)``, the
 distribution the engine's behaviour logprobs come from (:meth:`Row.token_temperatures`). Nucleus
 (``top_p < 1``) or top-k filtering is refused: the trainer does not recompute under a filter, so such a
-session is not exported for training (:class:`UntrainableSampling`, a clear error in the gateway's log).
+session is not exported for training (:class:`UntrainableSampling`, a clear error in the gateway's log);
+so are sessions sampled under penalties or a grammar (``response_format``, a forced ``tool_choice``,
+``regex``, ``ebnf``: the engine reports the masked, renormalised logprobs, which the trainer does not
+recompute).
 
 Group identity: ``group_key`` is the key of the exported GRPO group (a group id cut into chunks of the
 group size gives one key per chunk); the trainer normalises advantages by it (:attr:`Row.grpo_group`).

@@ -346,6 +346,12 @@ def test_sampling_parameters_come_from_the_recorded_request():
     with pytest.raises(UntrainableSampling, match="top_p=0.9"):
         export_session([t], gamma=1.0)
     assert export_session([turn_from_interaction(rec({"top_p": 1.0}))], gamma=1.0)
+    # a grammar-constrained turn (gateway.constraints records params.grammar) is refused, naming what constrained it
+    g = turn_from_interaction(rec({"grammar": {"kind": "ebnf", "origin": "tool_choice", "source": "root ::= \"a\""}}))
+    assert g.grammar == "ebnf (tool_choice)"
+    with pytest.raises(UntrainableSampling, match=r"grammar \(ebnf \(tool_choice\)\)"):
+        export_session([g], gamma=1.0)
+    assert turn_from_interaction(rec({"temperature": 1.0})).grammar == ""
 
 
 def test_batch_written_before_the_new_columns_still_decodes():
