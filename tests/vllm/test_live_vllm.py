@@ -217,6 +217,38 @@ def test_sleep_mode_on_vllm_cpu_frees_nothing_and_the_trainer_refuses_it(vllm_se
     assert vllm_generate(url, [1, 9, 200], 2, temperature=0.0)["finish"] == "length"  # serving again
 
 
+def test_structured_outputs_are_enforced_by_vllm(vllm_gateway: Any) -> None:
+    """A forced tool call and a JSON schema reach vLLM as ``structured_outputs`` and are enforced by it (its
+    xgrammar backend) on the tiny random model: the reply parses; a bad regex is a 400 before vLLM sees it."""
+    import json
+
+    gw = vllm_gateway()
+    sess = gw.create_session(group_id="g")
+    client = sdk(gw, sess["api_key"])
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+        "additionalProperties": False}}}]
+    forced = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "time?"}],
+                                            tools=tools, tool_choice="required", parallel_tool_calls=False,
+                                            max_tokens=80, seed=1)
+    calls = forced.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_time"], forced.choices[0].message
+    assert set(json.loads(calls[0].function.arguments)) == {"utc"}
+    schema = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}}, "required": ["label"],
+              "additionalProperties": False}
+    done = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pet?"}],
+                                          max_tokens=40, seed=2, response_format={
+                                              "type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+    if done.choices[0].finish_reason == "stop":  # vLLM allows free whitespace: a random model may pad to the limit
+        assert json.loads(done.choices[0].message.content or "")["label"] in ("cat", "dog")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       extra_body={"regex": "(unclosed"})
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "regex"
+    turns = read_turns(gw.db, [forced.id, done.id])
+    assert [t.request["params"]["grammar"]["origin"] for t in turns] == ["tool_choice", "response_format"]
+
+
 def test_killed_engine_gives_503(vllm_gateway: Any, vllm_server: VLLMServer) -> None:
     """Last in the module: it kills the session's vLLM server."""
     if vllm_server.child is None:
