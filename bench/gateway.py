@@ -66,8 +66,9 @@ def wrk_argv(url: str, *, concurrency: int, duration_s: float, mode: str, turns:
              tag: str, body_file: Path | None = None, timeout_s: float = 60.0) -> list[str]:
     """The wrk command line. Session mode needs one connection per thread (the script's state is per thread)."""
     threads = concurrency if mode == "session" else min(concurrency, 2)
-    argv = ["wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{duration_s:g}s", "--timeout",
-            f"{timeout_s:g}s", "-s", str(WRK_SCRIPT), url, "--", mode, str(turns), "1" if stream else "0", key, tag]
+    # wrk reads whole seconds only ("12.8s" is refused)
+    argv = ["wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{max(1, round(duration_s))}s", "--timeout",
+            f"{round(timeout_s)}s", "-s", str(WRK_SCRIPT), url, "--", mode, str(turns), "1" if stream else "0", key, tag]
     if body_file is not None:
         argv.append(str(body_file))
     return argv

@@ -46,6 +46,9 @@ def test_wrk_argv_one_thread_per_connection_in_session_mode() -> None:
     raw = bench.wrk_argv("http://h/x", concurrency=32, duration_s=5, mode="raw", turns=1, stream=False, key="k",
                          tag="t", body_file=Path("/b.json"))
     assert raw[raw.index("-t") + 1] == "2" and raw[-1] == "/b.json"
+    long = bench.wrk_argv("http://h/x", concurrency=128, duration_s=12.8, mode="raw", turns=1, stream=False, key="k",
+                          tag="t", body_file=Path("/b.json"))
+    assert long[long.index("-d") + 1] == "13s"  # wrk refuses fractional seconds ("12.8s")
 
 
 def test_table_ratios() -> None:
