@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -301,19 +301,16 @@ def create_app(engine: Engine) -> FastAPI:
 
     # SGLang answers both with status 200 and the body null (the route returns None), or 400
     # {"error": {"message"}}; it accepts GET too. The body may be empty (all tags).
-    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
-    async def release_memory_occupation(request: Request) -> JSONResponse:
-        body = await _optional_body(request, MemoryOccupationIn)
-        body.log_unknown("/release_memory_occupation")
-        await engine.release_memory(body.tags)
-        return JSONResponse(None)
+    def memory_route(path: str, act: Callable[[list[str] | None], Awaitable[Any]]) -> None:
+        @app.api_route(path, methods=["GET", "POST"], name=path.strip("/"))
+        async def route(request: Request) -> JSONResponse:
+            body = await _optional_body(request, MemoryOccupationIn)
+            body.log_unknown(path)
+            await act(body.tags)
+            return JSONResponse(None)
 
-    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-    async def resume_memory_occupation(request: Request) -> JSONResponse:
-        body = await _optional_body(request, MemoryOccupationIn)
-        body.log_unknown("/resume_memory_occupation")
-        await engine.resume_memory(body.tags)
-        return JSONResponse(None)
+    memory_route("/release_memory_occupation", engine.release_memory)
+    memory_route("/resume_memory_occupation", engine.resume_memory)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(body: InitGroupIn) -> JSONResponse:
