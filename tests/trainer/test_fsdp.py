@@ -44,6 +44,12 @@ def test_two_process_step_equals_one_process_step(tmp_path, tiny_model_dir):
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     for name, w1 in one["weights"].items():
         w2 = two["weights"][name]
-        assert torch.allclose(w1, w2, atol=2e-6, rtol=0), f"{name}: max diff {(w1 - w2).abs().max():.2e}"
+        # AdamW moves each element by about lr (1e-3) whatever its gradient's size, so an element whose gradient
+        # is near eps turns the two runs' different reduction orders into a visible difference: bound every
+        # element by 1% of lr, and all but a rare few (and the mean) far tighter.
+        diff = (w1 - w2).abs()
+        assert diff.max() <= 1e-5, f"{name}: max diff {diff.max():.2e}"
+        assert (diff > 1e-6).sum() <= max(1, diff.numel() // 1000), f"{name}: {(diff > 1e-6).sum()} elements > 1e-6"
+        assert diff.mean() <= 1e-8, f"{name}: mean diff {diff.mean():.2e}"
         changed += int(not torch.equal(w1, base[name]))
     assert changed == len(one["weights"])  # the step did update every tensor
