@@ -679,7 +679,8 @@ class TrajectoryService:
         # places reserved by open groups and not taken yet are charged too: the sessions that take them
         # later are not charged again (and the places, if never taken, are given back at the close)
         reserved = await self.store.open_groups(created_before=float("inf"))
-        pending = (sum(not s.is_eval for s in running) + queued.pending_sessions
+        # a group exported between the two reads is in both: count each session once
+        pending = (len({s.id for s in running if not s.is_eval} | queued.pending_ids)
                    + sum(g.places - g.created for g in reserved))
         state = await self.staleness.configure(version=version, batch_size=batch_size,
                                                staleness_bound=staleness_bound, group_size=group_size,
@@ -694,7 +695,7 @@ class TrajectoryService:
         return {
             "leader": {"id": await self.leader(), "this_process": self._leader_id, "leading": self.leading},
             "stats": asdict(self.stats),
-            "queue": asdict(counts),
+            "queue": {k: v for k, v in asdict(counts).items() if k != "pending_ids"},
             "trainer": state.as_dict() if state else None,
             "settings": asdict(self.settings),
             "waiting": await self.why_waiting(counts.ready, state),

@@ -143,6 +143,7 @@ class QueueCounts:
     held: int = 0
     held_rows: int = 0
     pending_sessions: int = 0  # sessions in ready/leased/held groups (accepted, not yet trained)
+    pending_ids: set[str] = field(default_factory=set)  # their ids
 
 
 class TrajectoryQueue(Protocol):
@@ -369,6 +370,7 @@ class SqlQueue:
             if r.status == "held":
                 out.held_rows += r.n_rows
             out.pending_sessions += len(r.session_ids)
+            out.pending_ids.update(r.session_ids)
         return out
 
 
@@ -628,13 +630,16 @@ class RedisQueue:
             total = 0
             async for fields in self._iter_entries():
                 total += 1
-                sessions += len(json.loads(fields[b"meta"])["session_ids"])
+                ids = json.loads(fields[b"meta"])["session_ids"]
+                sessions += len(ids)
+                out.pending_ids.update(ids)
             out.ready = total - out.leased
             for raw in (await self.redis.hgetall(self.held_meta)).values():
                 meta = json.loads(raw)
                 out.held += 1
                 out.held_rows += meta["n_rows"]
                 sessions += len(meta["session_ids"])
+                out.pending_ids.update(meta["session_ids"])
             out.pending_sessions = sessions
         return out
 

@@ -300,3 +300,28 @@ async def test_a_new_trainer_registration_counts_the_places_open_groups_reserved
         assert state["admitted"] == 4 and await admitted(gw) == 4
         resp = await gw.post("/v1/groups/half/close", key=ADMIN)
         assert resp.status_code == 200 and await admitted(gw) == 2  # exactly the two sessions
+
+
+async def test_a_registration_counts_a_group_exported_between_its_reads_once(make_gw: Any,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registration reads the running sessions, then the queue: a group exported in between was counted
+    twice (finished, then queued), so the budget restarted a group too full and refused an admissible one
+    (seen in CI: test_client_gateway's second group waited out 119 s of 429s)."""
+    monkeypatch.setenv("AGENTRL_GATEWAY_TICK_S", "3600")  # the lifecycle exports only when the test ticks it
+    async with make_gw(["4"]) as gw:
+        await trainer(gw, 0, batch_size=1)  # limit (0 + 0 + 1) x 1 x 4 = 4
+        group = await _retrying(gw, "/v1/groups", {"size": 4})
+        for s, reward in zip(group["sessions"], [0.0, 1.0, 0.0, 1.0]):
+            await _episode(gw, s, reward)
+        service = gw.app.state.trajectories
+        real_counts = service.queue.counts
+
+        async def counts_after_an_export() -> Any:
+            await service.tick()  # the group is exported after the sessions were read as finished
+            return await real_counts()
+
+        monkeypatch.setattr(service.queue, "counts", counts_after_an_export)
+        state = await trainer(gw, 0, batch_size=2)  # a new registration (limit 8)
+        monkeypatch.setattr(service.queue, "counts", real_counts)
+        assert (await real_counts()).pending_sessions == 4  # the group is queued
+        assert state["admitted"] == 4 and await admitted(gw) == 4  # counted once
