@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ class InvalidRequest(ValueError):
 
 # SGLang keys the embedded engine accepts but that only shape the returned text.
 _IGNORED_KEYS = {"spaces_between_special_tokens"}
+_GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def _number(name: str, value: Any, *, integer: bool = False) -> float | int:
@@ -43,36 +45,109 @@ def _number(name: str, value: Any, *, integer: bool = False) -> float | int:
     return value
 
 
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"sampling_params.{name} must be true or false, got {value!r}")
-    return value
+@dataclass(frozen=True)
+class _Scalar:
+    """A scalar key's type and the values it accepts; the error message states the range from the same fields.
+
+    ``[low, high]``, or ``(low, high]`` with ``open_low``; no ``high``: ``>= low``; no ``low``: any value.
+    ``off``: one value outside the range that turns the feature off (``top_k = -1``)."""
+
+    kind: type  # int, float or bool
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    off: int | None = None
+
+    @property
+    def rule(self) -> str:
+        if self.high is None:
+            rule = f">= {self.low}"
+        else:
+            rule = f"in {'(' if self.open_low else '['}{self.low}, {self.high}]"
+        return rule if self.off is None else f"{self.off} (off) or {rule}"
+
+    def __call__(self, name: str, value: Any, vocab_size: int) -> Any:
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise InvalidRequest(f"sampling_params.{name} must be true or false, got {value!r}")
+            return value
+        number = self.kind(_number(name, value, integer=self.kind is int))
+        if self.low is None or number == self.off:
+            return number
+        above = number > self.low if self.open_low else number >= self.low
+        if not (above and (self.high is None or number <= self.high)):
+            raise InvalidRequest(f"sampling_params.{name} must be {self.rule}, got {number}")
+        return number
+
+
+def _stop(name: str, value: Any, vocab_size: int) -> list[str]:
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest("sampling_params.stop must be a non-empty string or a list of them")
+    return stop
+
+
+def _stop_token_ids(name: str, value: Any, vocab_size: int) -> list[int]:
+    if not isinstance(value, list):
+        raise InvalidRequest("sampling_params.stop_token_ids must be a list of token ids")
+    for t in value:
+        _number("stop_token_ids[]", t, integer=True)
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"sampling_params.stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in value]
+
+
+def _logit_bias(name: str, value: Any, vocab_size: int) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise InvalidRequest("sampling_params.logit_bias must be an object of token id -> bias")
+    bias = {}
+    for key, b in value.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+            raise InvalidRequest(f"sampling_params.logit_bias: key {key!r} is not a token id in [0, {vocab_size})")
+        bias[int(key)] = float(_number(f"logit_bias[{key}]", b))
+    return bias
+
+
+def _grammar(name: str, value: Any, vocab_size: int) -> str | None:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"sampling_params.{name} must be a string, got {type(value).__name__}")
+    return value or None  # SGLang treats "" as unset
+
+
+def _key(default: Any, parse: Callable[[str, Any, int], Any]) -> Any:
+    """A ``sampling_params`` key: its default (``list`` / ``dict``: a fresh empty one) and its parser."""
+    if default in (list, dict):
+        return field(default_factory=default, metadata={"parse": parse})
+    return field(default=default, metadata={"parse": parse})
 
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    sampling_seed: int | None = None
+    # The table of accepted keys: type, default (SGLang's), accepted values; ``parse`` checks them in this order.
+    max_new_tokens: int = _key(128, _Scalar(int, low=0))
+    temperature: float = _key(1.0, _Scalar(float, low=0))
+    top_p: float = _key(1.0, _Scalar(float, low=0, high=1, open_low=True))
+    top_k: int = _key(-1, _Scalar(int, low=1, off=-1))
+    min_p: float = _key(0.0, _Scalar(float, low=0, high=1))
+    stop: list[str] = _key(list, _stop)
+    stop_token_ids: list[int] = _key(list, _stop_token_ids)
+    ignore_eos: bool = _key(False, _Scalar(bool))
+    no_stop_trim: bool = _key(False, _Scalar(bool))
+    skip_special_tokens: bool = _key(True, _Scalar(bool))
     # SGLang's penalties (srt/sampling/penaltylib), all over the row's output tokens only
-    frequency_penalty: float = 0.0  # minus penalty x count of the token so far
-    presence_penalty: float = 0.0  # minus penalty once the token appeared
-    repetition_penalty: float = 1.0  # logit / p if positive else logit x p, once the token appeared
-    min_new_tokens: int = 0  # stop tokens (stop_token_ids + EOS) are impossible before this many outputs
-    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits
+    frequency_penalty: float = _key(0.0, _Scalar(float, low=-2.0, high=2.0))  # minus penalty x count so far
+    presence_penalty: float = _key(0.0, _Scalar(float, low=-2.0, high=2.0))  # minus penalty once it appeared
+    # logit / p if positive else logit x p, once the token appeared
+    repetition_penalty: float = _key(1.0, _Scalar(float, low=0, high=2, open_low=True))
+    # stop tokens (stop_token_ids + EOS) are impossible before this many outputs
+    min_new_tokens: int = _key(0, _Scalar(int, low=0))
+    logit_bias: dict[int, float] = _key(dict, _logit_bias)  # added to the logits
     # SGLang's grammar constraints (engine/grammar.py), at most one; the text as sent
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
+    json_schema: str | None = _key(None, _grammar)
+    regex: str | None = _key(None, _grammar)
+    ebnf: str | None = _key(None, _grammar)
+    structural_tag: str | None = _key(None, _grammar)
+    sampling_seed: int | None = _key(None, _Scalar(int))
 
     @property
     def greedy(self) -> bool:
@@ -86,7 +161,7 @@ class SamplingParams:
     @property
     def grammar(self) -> tuple[str, str] | None:
         """``(kind, source)`` of the request's grammar constraint, or None."""
-        for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
+        for kind in _GRAMMARS:
             source = getattr(self, kind)
             if source is not None:
                 return kind, source
@@ -99,8 +174,8 @@ class SamplingParams:
             raw = {}
         if not isinstance(raw, dict):
             raise InvalidRequest(f"sampling_params must be an object, got {type(raw).__name__}")
-        params = cls()
-        known = {f for f in cls.__dataclass_fields__} | {"n"} | _IGNORED_KEYS
+        keys = fields(cls)
+        known = {f.name for f in keys} | {"n"} | _IGNORED_KEYS
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequest(
@@ -109,78 +184,13 @@ class SamplingParams:
         values = {k: v for k, v in raw.items() if v is not None}
         if "n" in values and _number("n", values["n"], integer=True) != 1:
             raise InvalidRequest("sampling_params.n must be 1 (send one request per sample)")
-        if "max_new_tokens" in values:
-            params.max_new_tokens = int(_number("max_new_tokens", values["max_new_tokens"], integer=True))
-            if params.max_new_tokens < 0:
-                raise InvalidRequest(f"sampling_params.max_new_tokens must be >= 0, got {params.max_new_tokens}")
-        if "temperature" in values:
-            params.temperature = float(_number("temperature", values["temperature"]))
-            if params.temperature < 0:
-                raise InvalidRequest(f"sampling_params.temperature must be >= 0, got {params.temperature}")
-        if "top_p" in values:
-            params.top_p = float(_number("top_p", values["top_p"]))
-            if not 0.0 < params.top_p <= 1.0:
-                raise InvalidRequest(f"sampling_params.top_p must be in (0, 1], got {params.top_p}")
-        if "top_k" in values:
-            params.top_k = int(_number("top_k", values["top_k"], integer=True))
-            if params.top_k != -1 and params.top_k < 1:
-                raise InvalidRequest(f"sampling_params.top_k must be -1 (off) or >= 1, got {params.top_k}")
-        if "min_p" in values:
-            params.min_p = float(_number("min_p", values["min_p"]))
-            if not 0.0 <= params.min_p <= 1.0:
-                raise InvalidRequest(f"sampling_params.min_p must be in [0, 1], got {params.min_p}")
-        if "stop" in values:
-            stop = values["stop"]
-            stop = [stop] if isinstance(stop, str) else stop
-            if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-                raise InvalidRequest("sampling_params.stop must be a non-empty string or a list of them")
-            params.stop = stop
-        if "stop_token_ids" in values:
-            ids = values["stop_token_ids"]
-            if not isinstance(ids, list):
-                raise InvalidRequest("sampling_params.stop_token_ids must be a list of token ids")
-            for t in ids:
-                _number("stop_token_ids[]", t, integer=True)
-                if not 0 <= t < vocab_size:
-                    raise InvalidRequest(f"sampling_params.stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
-            params.stop_token_ids = [int(t) for t in ids]
-        for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens"):
-            if name in values:
-                setattr(params, name, _flag(name, values[name]))
-        for name, low, high in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
-            if name in values:
-                value = float(_number(name, values[name]))
-                if not low <= value <= high:
-                    raise InvalidRequest(f"sampling_params.{name} must be in [{low}, {high}], got {value}")
-                setattr(params, name, value)
-        if "repetition_penalty" in values:
-            params.repetition_penalty = float(_number("repetition_penalty", values["repetition_penalty"]))
-            if not 0.0 < params.repetition_penalty <= 2.0:
-                raise InvalidRequest(f"sampling_params.repetition_penalty must be in (0, 2], got {params.repetition_penalty}")
-        if "min_new_tokens" in values:
-            params.min_new_tokens = int(_number("min_new_tokens", values["min_new_tokens"], integer=True))
-            if params.min_new_tokens < 0:
-                raise InvalidRequest(f"sampling_params.min_new_tokens must be >= 0, got {params.min_new_tokens}")
-        if "logit_bias" in values:
-            bias = values["logit_bias"]
-            if not isinstance(bias, dict):
-                raise InvalidRequest("sampling_params.logit_bias must be an object of token id -> bias")
-            for key, value in bias.items():
-                if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
-                    raise InvalidRequest(f"sampling_params.logit_bias: key {key!r} is not a token id in [0, {vocab_size})")
-                params.logit_bias[int(key)] = float(_number(f"logit_bias[{key}]", value))
-        grammars = []
-        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
-            if name in values:
-                if not isinstance(values[name], str):
-                    raise InvalidRequest(f"sampling_params.{name} must be a string, got {type(values[name]).__name__}")
-                if values[name]:  # SGLang treats "" as unset
-                    setattr(params, name, values[name])
-                    grammars.append(name)
+        params = cls()
+        for key in keys:
+            if key.name in values:
+                setattr(params, key.name, key.metadata["parse"](key.name, values[key.name], vocab_size))
+        grammars = [name for name in _GRAMMARS if getattr(params, name) is not None]
         if len(grammars) > 1:
             raise InvalidRequest(f"only one of json_schema, regex, ebnf, or structural_tag can be set; got {grammars}")
-        if "sampling_seed" in values:
-            params.sampling_seed = int(_number("sampling_seed", values["sampling_seed"], integer=True))
         return params
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:

@@ -42,6 +42,68 @@ def test_bad_params_are_refused_with_the_key_named(raw):
     assert key in str(info.value)
 
 
+# Each key's exact message (as before the parser became one table of keys in engine/sampling.py).
+@pytest.mark.parametrize("raw, message", [
+    ({"n": 2}, "sampling_params.n must be 1 (send one request per sample)"),
+    ({"n": 1.0}, "sampling_params.n must be an integer, got 1.0"),
+    ({"max_new_tokens": -1}, "sampling_params.max_new_tokens must be >= 0, got -1"),
+    ({"max_new_tokens": True}, "sampling_params.max_new_tokens must be an integer, got True"),
+    ({"temperature": -1}, "sampling_params.temperature must be >= 0, got -1.0"),
+    ({"temperature": "hot"}, "sampling_params.temperature must be a number, got 'hot'"),
+    ({"temperature": float("inf")}, "sampling_params.temperature must be finite, got inf"),
+    ({"top_p": 0}, "sampling_params.top_p must be in (0, 1], got 0.0"),
+    ({"top_p": 1.5}, "sampling_params.top_p must be in (0, 1], got 1.5"),
+    ({"top_k": 0}, "sampling_params.top_k must be -1 (off) or >= 1, got 0"),
+    ({"top_k": 1.0}, "sampling_params.top_k must be an integer, got 1.0"),
+    ({"min_p": -0.1}, "sampling_params.min_p must be in [0, 1], got -0.1"),
+    ({"min_p": 2}, "sampling_params.min_p must be in [0, 1], got 2.0"),
+    ({"stop": ""}, "sampling_params.stop must be a non-empty string or a list of them"),
+    ({"stop_token_ids": "2"}, "sampling_params.stop_token_ids must be a list of token ids"),
+    ({"stop_token_ids": [-1]}, "sampling_params.stop_token_ids: -1 is outside the vocabulary [0, 10)"),
+    ({"stop_token_ids": [1.0]}, "sampling_params.stop_token_ids[] must be an integer, got 1.0"),
+    ({"no_stop_trim": 1}, "sampling_params.no_stop_trim must be true or false, got 1"),
+    ({"skip_special_tokens": "no"}, "sampling_params.skip_special_tokens must be true or false, got 'no'"),
+    ({"frequency_penalty": 3}, "sampling_params.frequency_penalty must be in [-2.0, 2.0], got 3.0"),
+    ({"presence_penalty": -2.5}, "sampling_params.presence_penalty must be in [-2.0, 2.0], got -2.5"),
+    ({"repetition_penalty": 0}, "sampling_params.repetition_penalty must be in (0, 2], got 0.0"),
+    ({"repetition_penalty": 2.5}, "sampling_params.repetition_penalty must be in (0, 2], got 2.5"),
+    ({"min_new_tokens": -1}, "sampling_params.min_new_tokens must be >= 0, got -1"),
+    ({"min_new_tokens": 1.5}, "sampling_params.min_new_tokens must be an integer, got 1.5"),
+    ({"logit_bias": {"a": 1}}, "sampling_params.logit_bias: key 'a' is not a token id in [0, 10)"),
+    ({"logit_bias": {"1": float("nan")}}, "sampling_params.logit_bias[1] must be finite, got nan"),
+    ({"structural_tag": 3}, "sampling_params.structural_tag must be a string, got int"),
+    ({"json_schema": "{}", "regex": "a", "structural_tag": "x"},
+     "only one of json_schema, regex, ebnf, or structural_tag can be set; got ['json_schema', 'regex', 'structural_tag']"),
+    ({"sampling_seed": "1"}, "sampling_params.sampling_seed must be an integer, got '1'"),
+    ("x", "sampling_params must be an object, got str"),
+    # several bad keys: the first in the table's order is named
+    ({"ignore_eos": "yes", "stop": [1]}, "sampling_params.stop must be a non-empty string or a list of them"),
+    ({"min_new_tokens": -1, "sampling_seed": 1.5}, "sampling_params.min_new_tokens must be >= 0, got -1"),
+    ({"regex": 3, "top_k": 0}, "sampling_params.top_k must be -1 (off) or >= 1, got 0"),
+])
+def test_each_key_is_refused_with_its_own_message(raw: object, message: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams.parse(raw, vocab_size=10)
+    assert str(info.value) == message
+
+
+def test_every_key_at_the_edge_of_its_range_is_accepted() -> None:
+    p = SamplingParams.parse({
+        "n": 1, "max_new_tokens": 0, "temperature": 0, "top_p": 1, "top_k": 1, "min_p": 1, "stop": "x",
+        "stop_token_ids": [0, 9], "ignore_eos": True, "no_stop_trim": True, "skip_special_tokens": False,
+        "frequency_penalty": -2, "presence_penalty": 2, "repetition_penalty": 2, "min_new_tokens": 3,
+        "logit_bias": {"9": -1}, "regex": "", "ebnf": "e", "sampling_seed": 7, "spaces_between_special_tokens": False,
+    }, vocab_size=10)
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (0, 0.0, 1.0, 1, 1.0)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.no_stop_trim, p.skip_special_tokens) == (["x"], [0, 9], True, True, False)
+    assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.min_new_tokens) == (-2.0, 2.0, 2.0, 3)
+    assert p.logit_bias == {9: -1.0} and p.grammar == ("ebnf", "e") and p.regex is None and p.sampling_seed == 7
+    assert isinstance(p.temperature, float) and isinstance(p.top_p, float)  # JSON integers become floats
+    assert SamplingParams.parse({"stop": []}, vocab_size=10).stop == []
+    assert SamplingParams.parse({"top_k": -1, "top_p": 1e-9}, vocab_size=10).top_k == -1
+    assert SamplingParams.parse({"logit_bias": {}}, vocab_size=10).logit_bias is not SamplingParams().logit_bias
+
+
 def test_temperature_one_logprobs_are_the_model_logsoftmax():
     freqs, logprob_of = draw(SamplingParams(temperature=1.0, sampling_seed=0), 800)
     expected = torch.log_softmax(LOGITS[0], -1)
