@@ -695,7 +695,7 @@ class TrajectoryService:
         return {
             "leader": {"id": await self.leader(), "this_process": self._leader_id, "leading": self.leading},
             "stats": asdict(self.stats),
-            "queue": {k: v for k, v in asdict(counts).items() if k != "pending_ids"},
+            "queue": counts.as_dict(),
             "trainer": state.as_dict() if state else None,
             "settings": asdict(self.settings),
             "waiting": await self.why_waiting(counts.ready, state),

@@ -142,8 +142,16 @@ class QueueCounts:
     leased: int = 0
     held: int = 0
     held_rows: int = 0
-    pending_sessions: int = 0  # sessions in ready/leased/held groups (accepted, not yet trained)
-    pending_ids: set[str] = field(default_factory=set)  # their ids
+    pending_ids: set[str] = field(default_factory=set)  # sessions in ready/leased/held groups (not yet trained)
+
+    @property
+    def pending_sessions(self) -> int:
+        return len(self.pending_ids)
+
+    def as_dict(self) -> dict[str, int]:
+        """The counts of ``GET /v1/trajectories/stats`` (``pending_sessions`` instead of the ids)."""
+        return {"ready": self.ready, "leased": self.leased, "held": self.held, "held_rows": self.held_rows,
+                "pending_sessions": self.pending_sessions}
 
 
 class TrajectoryQueue(Protocol):
@@ -369,7 +377,6 @@ class SqlQueue:
             setattr(out, r.status, getattr(out, r.status) + 1)
             if r.status == "held":
                 out.held_rows += r.n_rows
-            out.pending_sessions += len(r.session_ids)
             out.pending_ids.update(r.session_ids)
         return out
 
@@ -626,21 +633,16 @@ class RedisQueue:
             await self._ensure_group()
             summary = await self.redis.xpending(self.stream, self.GROUP)
             out.leased = int(summary["pending"])
-            sessions = 0
             total = 0
             async for fields in self._iter_entries():
                 total += 1
-                ids = json.loads(fields[b"meta"])["session_ids"]
-                sessions += len(ids)
-                out.pending_ids.update(ids)
+                out.pending_ids.update(json.loads(fields[b"meta"])["session_ids"])
             out.ready = total - out.leased
             for raw in (await self.redis.hgetall(self.held_meta)).values():
                 meta = json.loads(raw)
                 out.held += 1
                 out.held_rows += meta["n_rows"]
-                sessions += len(meta["session_ids"])
                 out.pending_ids.update(meta["session_ids"])
-            out.pending_sessions = sessions
         return out
 
     async def _iter_entries(self, batch: int = 512) -> AsyncIterator[dict[bytes, bytes]]:

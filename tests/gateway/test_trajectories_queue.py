@@ -141,6 +141,19 @@ async def test_stale_groups_are_held_then_requeued_or_dropped(queue):
     assert (await queue.counts()).held == 0
 
 
+async def test_counts_name_the_pending_sessions_of_ready_leased_and_held_groups(queue):
+    await queue.put(make_group("held", min_version=0))
+    await queue.put(make_group("leased", min_version=3))
+    lease = await queue.lease(5, 0.0, min_version=2)
+    assert [g.group_key for g in lease.groups] == ["leased"]
+    await queue.put(make_group("ready", min_version=3))
+    counts = await queue.counts()
+    assert counts.pending_ids == {f"{g}-s{s}" for g in ("held", "leased", "ready") for s in range(2)}
+    assert counts.as_dict() == {"ready": 1, "leased": 1, "held": 1, "held_rows": 2, "pending_sessions": 6}
+    assert await queue.ack(lease.id) == 1
+    assert (await queue.counts()).as_dict()["pending_sessions"] == 4  # trained sessions are no longer pending
+
+
 async def test_concurrent_leases_never_share_a_group(queue):
     for i in range(20):
         await queue.put(make_group(f"g{i:02d}"))
