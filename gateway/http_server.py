@@ -7,8 +7,9 @@ within ``--header-timeout-s`` of their first byte (of the connection's opening, 
 otherwise the connection gets a 408 and is closed. The deadline ends with the headers: a slow body has its
 own limit (``--body-timeout-s``, enforced by the routes), and a long streamed answer is not a request.
 
-uvicorn is given this class as ``http=`` (:func:`protocol`); the deadline is a class attribute because
-uvicorn builds one protocol object per connection from the class alone.
+uvicorn is given a class as ``http=`` and builds one protocol object per connection from the class alone, so
+the deadline is a class attribute: :func:`protocol` makes a subclass of its own for each server (two apps in
+one process keep their own deadlines).
 """
 
 from __future__ import annotations
@@ -68,6 +69,5 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
 
 
 def protocol(header_timeout_s: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class to hand uvicorn (``http=``), with the header deadline set."""
-    HeaderTimeoutProtocol.header_timeout_s = header_timeout_s
-    return HeaderTimeoutProtocol
+    """A protocol class to hand one server's uvicorn (``http=``), with that server's header deadline."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": header_timeout_s})

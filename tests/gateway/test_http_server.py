@@ -4,11 +4,16 @@ requests and a streamed answer longer than the deadline are not affected."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
+import uvicorn
+
+from gateway.http_server import protocol
 from tests.gateway.conftest import GatewayProc
 
 HEADER_TIMEOUT_S = 1.0
@@ -110,3 +115,44 @@ def test_slow_headers_are_cut_off_and_slow_bodies_keep_alive_and_streams_are_not
             assert chunk, f"stream cut: {received[-300:]!r}"
             received += chunk
         assert received.startswith(b"HTTP/1.1 200")
+
+
+async def test_two_servers_in_one_process_keep_their_own_header_deadlines() -> None:
+    """The deadline belongs to the server it was given to, not to the process: a server started later with a
+    longer deadline does not lengthen the first one's."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:  # never reached: no request is sent
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await send({"type": "lifespan.shutdown.complete"})
+
+    servers, tasks = [], []
+    for timeout_s in (0.3, 30.0):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=protocol(timeout_s)))
+        tasks.append(asyncio.create_task(server.serve(sockets=[sock])))
+        servers.append((server, sock.getsockname()[1]))
+    try:
+        while not all(server.started for server, _ in servers):
+            await asyncio.sleep(0.01)
+        (_, short_port), (_, long_port) = servers
+        short = await asyncio.open_connection("127.0.0.1", short_port)
+        long = await asyncio.open_connection("127.0.0.1", long_port)
+        # two silent connections: the short deadline's server answers 408 and closes ...
+        answer = await asyncio.wait_for(short[0].read(), timeout=10)
+        assert answer.startswith(b"HTTP/1.1 408") and short[0].at_eof()
+        # ... while the long one's keeps waiting for the headers, well past the short deadline
+        try:
+            early = await asyncio.wait_for(long[0].read(1), timeout=1.0)
+        except TimeoutError:
+            early = None
+        assert early is None, f"the 30 s deadline answered early: {early!r}"
+        for _, writer in (short, long):
+            writer.close()
+    finally:
+        for server, _ in servers:
+            server.should_exit = True
+        await asyncio.gather(*tasks)
