@@ -362,7 +362,8 @@ class TrajectoryService:
             else SqlQueue(store.engine, lease_timeout_s=settings.lease_timeout_s)
         )
         self.staleness = StalenessControl(store.engine, default_group_size=settings.group_size,
-                                          retry_after_s=settings.retry_after_s)
+                                          retry_after_s=settings.retry_after_s,
+                                          sqlite_writer=getattr(store, "sqlite_writer", None))
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._wake = asyncio.Event()

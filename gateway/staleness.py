@@ -20,14 +20,20 @@ not leased; it is held back (counted) and dropped after a configured age (see ``
 Eval sessions (``metadata.eval``) never count. Before any trainer registers there is no limit.
 
 State lives in one SQL row (table ``trainer_state`` of migration ``0002_trajectories``), and admission is
-one conditional ``UPDATE``, so several gateway processes sharing a database share one budget exactly.
+one conditional ``UPDATE``, so several gateway processes sharing a database share one budget exactly. On
+SQLite (one gateway process) :meth:`StalenessControl.admit` and :meth:`~StalenessControl.release` run as
+one call in the store's SQLite writer thread (``Store.sqlite_writer``: the same ``UPDATE`` in one hop off
+the event loop; an implicit-mode root turn asks for it on every request).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import sqlite3
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
@@ -35,6 +41,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway import errors
 from gateway.queue import metadata
+from gateway.store import errors as store_errors
+
+log = logging.getLogger(__name__)
 
 trainer_table = sa.Table(
     "trainer_state",
@@ -91,10 +100,13 @@ def _unavailable(exc: SQLAlchemyError) -> errors.StoreUnavailable:
 
 
 class StalenessControl:
-    def __init__(self, engine: AsyncEngine, *, default_group_size: int, retry_after_s: float) -> None:
+    def __init__(self, engine: AsyncEngine, *, default_group_size: int, retry_after_s: float,
+                 sqlite_writer: Any | None = None) -> None:
         self.engine = engine
         self.default_group_size = default_group_size
         self.retry_after_s = retry_after_s
+        # gateway.store.writer.SqliteBatchWriter of the store on SQLite: admit/release run there in one hop
+        self.sqlite_writer = sqlite_writer
 
     async def state(self) -> TrainerState | None:
         """The registered trainer's state, or None before any trainer registered."""
@@ -166,11 +178,49 @@ class StalenessControl:
         bigger than that would wait forever)."""
         if is_eval or n <= 0:
             return 0
+        if self.sqlite_writer is not None:
+            return await self._admit_sqlite(n)
         try:
             async with self.engine.begin() as conn:
                 return await self.admit_in(conn, n=n)
         except SQLAlchemyError as exc:
             raise _unavailable(exc) from exc
+
+    async def _admit_sqlite(self, n: int) -> int:
+        """:meth:`admit` as one transaction in the SQLite writer's thread. A caller cancelled meanwhile
+        (its client left) gives back what the transaction charged once it has committed."""
+        task = asyncio.ensure_future(self._in_sqlite(lambda conn: self._admit_sync(conn, n)))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._give_back_late)
+            raise
+
+    def _give_back_late(self, task: asyncio.Future[int]) -> None:
+        if task.cancelled() or task.exception() is not None or not task.result():
+            return
+        late = asyncio.ensure_future(self.release(task.result()))
+        late.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
+            "staleness budget of a cancelled admission not given back: %s", t.exception()))
+
+    async def _in_sqlite(self, fn: Any) -> Any:
+        try:
+            return await self.sqlite_writer.run(fn)  # type: ignore[union-attr]
+        except store_errors.StoreError as exc:
+            raise errors.StoreUnavailable(f"staleness state unavailable: {exc}") from exc
+
+    def _admit_sync(self, conn: sqlite3.Connection, n: int) -> int:
+        """:meth:`admit_in` on a ``sqlite3`` connection (the same statements)."""
+        done = conn.execute(
+            "UPDATE trainer_state SET admitted = admitted + ? WHERE id = ? AND admitted + ? <= "
+            "(staleness_bound + version - base_version + 1) * batch_size * group_size", (n, _ROW, n))
+        if done.rowcount:
+            return n
+        row = conn.execute("SELECT version, batch_size, staleness_bound, group_size, base_version, admitted "
+                           "FROM trainer_state WHERE id = ?", (_ROW,)).fetchone()
+        if row is None:
+            return 0  # no trainer registered: nothing to stay within
+        self._refuse(TrainerState(*row), n)
 
     async def admit_in(self, conn: AsyncConnection, *, n: int = 1, is_eval: bool = False) -> int:
         """:meth:`admit` on the caller's open transaction ``conn`` (on this database): the count commits
@@ -188,6 +238,10 @@ class StalenessControl:
         state = _state((await conn.execute(sa.select(t).where(t.c.id == _ROW))).first())
         if state is None:
             return 0  # no trainer registered: nothing to stay within
+        self._refuse(state, n)
+
+    def _refuse(self, state: TrainerState, n: int) -> NoReturn:
+        """The error for ``n`` sessions that do not fit ``state``'s budget."""
         window = (state.staleness_bound + 1) * state.batch_size * state.group_size
         if n > window:
             raise errors.InvalidRequest(
@@ -205,6 +259,11 @@ class StalenessControl:
     async def release(self, n: int) -> None:
         """Give back budget of ``n`` sessions that will never be trained (abandoned, empty, dropped)."""
         if n <= 0:
+            return
+        if self.sqlite_writer is not None:
+            await self._in_sqlite(lambda conn: conn.execute(
+                "UPDATE trainer_state SET admitted = CASE WHEN admitted >= ? THEN admitted - ? ELSE 0 END "
+                "WHERE id = ?", (n, n, _ROW)))
             return
         t = trainer_table
         try:

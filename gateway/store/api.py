@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import secrets
 import time
 import uuid
@@ -66,7 +67,7 @@ from gateway.store.rows import (
 )
 from gateway.store.seqcache import SequenceCache, TurnCache
 from gateway.store.tree import parents_first, tree_json
-from gateway.store.writer import GroupCommitWriter
+from gateway.store.writer import SQLITE_PRAGMAS, GroupCommitWriter, SqliteBatchWriter
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class Store:
             max_batch_rows=max_batch_rows,
             delay_s=commit_delay_s,
             after_commit=self._after_commit,
+            direct=SqliteBatchWriter(os.path.abspath(str(write_engine.url.database))) if self._is_sqlite else None,
         )
         self._closed = False
 
@@ -251,8 +253,15 @@ class Store:
 
         On SQLite this is the store's single writer connection: every transaction on it starts with
         ``BEGIN IMMEDIATE``, so read-then-write transactions cannot fail with SQLITE_BUSY, and they take
-        turns with the group-commit writer (keep them short). On PostgreSQL it is the shared pool."""
+        turns with the group-commit writer (its own connection) through SQLite's write lock (keep them
+        short). On PostgreSQL it is the shared pool."""
         return self._write_engine
+
+    @property
+    def sqlite_writer(self) -> SqliteBatchWriter | None:
+        """On SQLite, the group commit's own connection and thread (``run(fn)``: ``fn(sqlite3_conn)`` in one
+        write transaction, one hop off the event loop) for other hot-path writes; None on PostgreSQL."""
+        return self._writer.direct
 
     @property
     def redis(self) -> Any | None:
@@ -935,10 +944,8 @@ class Store:
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL makes this safe
-    cursor.execute("PRAGMA busy_timeout=10000")
+    for pragma in SQLITE_PRAGMAS:
+        cursor.execute(pragma)
     cursor.close()
 
 

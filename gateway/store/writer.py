@@ -7,6 +7,13 @@ parents known and in the same session, ids new), inserts the rows that pass, mov
 the futures. There is no timer on the fast path: while one transaction commits, the next batch gathers,
 so batches grow with load and an idle store answers at once (``delay_s`` adds a wait if wanted).
 
+On SQLite the whole transaction of a batch (``BEGIN IMMEDIATE``, the checks, the inserts, the activity
+update, ``COMMIT``) is one call in the writer's own thread on its own ``sqlite3`` connection
+(:class:`SqliteBatchWriter`): one hop off the event loop per batch, instead of a hop to aiosqlite's thread
+(and a SQLAlchemy statement compilation) per statement. The stored values are those SQLAlchemy writes
+(JSON columns through ``json.dumps``, token arrays as packed bytes). The store's other write transactions
+take turns with it through SQLite's write lock (``busy_timeout``).
+
 A job is all-or-nothing. Jobs that fail the checks fail alone; if the batch transaction itself fails for
 a data reason (a race the checks could not see), it is rolled back and retried job by job, so exactly the
 offending callers get the error and no partial rows remain. If the database is unreachable, every job of
@@ -16,12 +23,15 @@ the batch fails with StoreUnavailable.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -32,6 +42,15 @@ from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreError, S
 from gateway.store.records import CommitStats, Interaction
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# what every SQLite connection of the store runs first (the SQLAlchemy engines too: gateway.store.api)
+SQLITE_PRAGMAS = (
+    "PRAGMA journal_mode=WAL",
+    "PRAGMA foreign_keys=ON",
+    "PRAGMA synchronous=NORMAL",  # durable across process crashes; WAL makes this safe
+    "PRAGMA busy_timeout=10000",
+)
 
 
 @dataclass(slots=True)
@@ -53,8 +72,11 @@ class GroupCommitWriter:
         max_batch_rows: int,
         delay_s: float,
         after_commit: Callable[[list[tuple[Interaction, dict[str, Any]]]], Awaitable[None]],
+        direct: SqliteBatchWriter | None = None,
     ) -> None:
         self._transaction = transaction
+        self._direct = direct
+        self.direct = direct
         self._lock_rows = lock_rows
         self._max_rows = max(1, max_batch_rows)
         self._delay_s = delay_s
@@ -84,6 +106,8 @@ class GroupCommitWriter:
         self._closing = True
         self._wake.set()
         await self._task
+        if self._direct is not None:
+            await self._direct.close()
 
     def _take_batch(self) -> list[_Job]:
         batch: list[_Job] = []
@@ -154,6 +178,13 @@ class GroupCommitWriter:
         """One transaction for ``batch``. Jobs failing the checks are failed here and left out; returns
         the committed jobs. Raises StoreError when the transaction as a whole fails."""
         self.stats.transactions += 1
+        if self._direct is not None:
+            failed = await self._direct.run(lambda conn: _write_sqlite(conn, batch))
+            for index, error in failed:
+                _fail(batch[index], error)
+            self.stats.failed_calls += len(failed)
+            bad = {index for index, _ in failed}
+            return [job for index, job in enumerate(batch) if index not in bad]
         async with db_errors(), self._transaction() as conn:
             ok = await self._check(conn, batch)
             created = [row for job in ok for row in job.sessions]
@@ -201,6 +232,135 @@ class GroupCommitWriter:
             for it in job.interactions:  # later jobs of this batch may use these as parents
                 known[it.id] = it.session_id
         return ok
+
+
+class SqliteBatchWriter:
+    """The SQLite group commit's own ``sqlite3`` connection and thread: :meth:`run` executes a function on
+    the connection inside ``BEGIN IMMEDIATE`` ... ``COMMIT``, in one hop off the event loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-sqlite-writer")
+        self._conn: sqlite3.Connection | None = None
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=10.0)
+            for pragma in SQLITE_PRAGMAS:
+                conn.execute(pragma)
+            self._conn = conn
+        return self._conn
+
+    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``fn(conn)`` in one write transaction, committed if it returns; rolled back if it raises.
+        sqlite3 errors (and values SQLite or JSON cannot take) are raised as StoreError. The transaction
+        runs to its end in the writer's thread even if the awaiting task is cancelled."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._transaction, fn)
+
+    def _transaction(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        try:
+            conn = self._connection()
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise _sqlite_error(exc) from exc
+        try:
+            result = fn(conn)
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    log.exception("SQLite writer: rollback failed")
+            if isinstance(exc, (sqlite3.Error, TypeError, ValueError, OverflowError)) and not isinstance(
+                    exc, StoreError):
+                translated = _sqlite_error(exc)
+                if translated is not None:
+                    raise translated from exc
+            raise
+        return result
+
+    async def close(self) -> None:
+        def close() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        await asyncio.get_running_loop().run_in_executor(self._executor, close)
+        self._executor.shutdown(wait=False)
+
+
+def _sqlite_error(exc: BaseException) -> StoreError | None:
+    """The store error for an exception of the SQLite writer (as ``gateway.store.dberrors.translate``
+    maps the same errors coming through SQLAlchemy), or None for a bug."""
+    if isinstance(exc, sqlite3.IntegrityError):
+        return Conflict(f"the database refused the write: {exc}")
+    if isinstance(exc, sqlite3.DataError):
+        return InvalidValue(f"the database refused a value: {exc}")
+    if isinstance(exc, sqlite3.ProgrammingError):
+        return None
+    if isinstance(exc, sqlite3.Error):
+        return StoreUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
+    if isinstance(exc, (TypeError, ValueError, OverflowError)):
+        return InvalidValue(f"a value could not be stored: {exc}")
+    return None
+
+
+def _columns(table: sa.Table) -> tuple[str, list[tuple[str, bool]]]:
+    """``INSERT`` of every column of ``table`` with ``?`` placeholders, and the row keys in that order
+    with whether the column holds JSON."""
+    names = ", ".join(f'"{c.name}"' for c in table.columns)
+    marks = ", ".join("?" for _ in table.columns)
+    keys = [(c.key, isinstance(c.type, sa.JSON)) for c in table.columns]
+    return f'INSERT INTO "{table.name}" ({names}) VALUES ({marks})', keys
+
+
+_INSERT_SESSION = _columns(schema.sessions)
+_INSERT_INTERACTION = _columns(schema.interactions)
+
+
+def _values(rows: list[dict[str, Any]], keys: list[tuple[str, bool]]) -> list[tuple[Any, ...]]:
+    # JSON as SQLAlchemy's JSON type writes it on SQLite (json.dumps; None as 'null')
+    return [tuple(json.dumps(row[key]) if is_json else row[key] for key, is_json in keys) for row in rows]
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" * n)
+
+
+def _write_sqlite(conn: sqlite3.Connection, batch: list[_Job]) -> list[tuple[int, StoreError]]:
+    """The group commit's checks and writes on the SQLite writer's connection (inside its transaction):
+    what :meth:`GroupCommitWriter._write` does through SQLAlchemy. Returns the failed jobs' indexes with
+    their errors; the others are written."""
+    session_ids = sorted({it.session_id for job in batch for it in job.interactions})
+    status: dict[str, str] = dict(conn.execute(
+        f"SELECT id, status FROM sessions WHERE id IN ({_marks(len(session_ids))})", session_ids).fetchall())
+    for job in batch:
+        status.update({row["id"]: row["status"] for row in job.sessions if row["id"] not in status})
+    wanted = list({it.id for job in batch for it in job.interactions}
+                  | {it.parent_id for job in batch for it in job.interactions if it.parent_id})
+    known: dict[str, str] = dict(conn.execute(
+        f"SELECT id, session_id FROM interactions WHERE id IN ({_marks(len(wanted))})", wanted).fetchall())
+    failed: list[tuple[int, StoreError]] = []
+    ok: list[_Job] = []
+    for index, job in enumerate(batch):
+        error = _job_error(job, status, known)
+        if error is not None:
+            failed.append((index, error))
+            continue
+        ok.append(job)
+        for it in job.interactions:
+            known[it.id] = it.session_id
+    created = [row for job in ok for row in job.sessions]
+    if created:
+        conn.executemany(_INSERT_SESSION[0], _values(created, _INSERT_SESSION[1]))
+    if ok:
+        conn.executemany(_INSERT_INTERACTION[0], _values([row for job in ok for row in job.rows],
+                                                         _INSERT_INTERACTION[1]))
+        touched = sorted({it.session_id for job in ok for it in job.interactions} - {row["id"] for row in created})
+        if touched:
+            conn.execute(f"UPDATE sessions SET last_activity_at = ? WHERE id IN ({_marks(len(touched))})",
+                         [time.time(), *touched])
+    return failed
 
 
 def _job_error(job: _Job, status: dict[str, str], known: dict[str, str]) -> StoreError | None:

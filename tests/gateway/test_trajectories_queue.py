@@ -163,7 +163,38 @@ async def test_concurrent_leases_never_share_a_group(queue):
 
 
 async def test_staleness_admission(engine):
-    control = StalenessControl(engine, default_group_size=2, retry_after_s=3)
+    await _admission_checks(StalenessControl(engine, default_group_size=2, retry_after_s=3))
+
+
+async def test_staleness_admission_in_the_sqlite_writer_thread(tmp_path):
+    """On SQLite, admit/release run on the store's group-commit connection (one thread hop): same rules."""
+    from gateway.store.writer import SqliteBatchWriter
+
+    url = f"sqlite+aiosqlite:///{tmp_path}/q.db"
+    await upgrade(url)
+    engine = create_async_engine(url)
+    writer = SqliteBatchWriter(str(tmp_path / "q.db"))
+    try:
+        control = StalenessControl(engine, default_group_size=2, retry_after_s=3, sqlite_writer=writer)
+        await _admission_checks(control)
+        # a caller cancelled while its admission runs in the writer thread gives the charge back
+        before = (await control.state()).admitted
+        task = asyncio.ensure_future(control.admit())
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if (await control.state()).admitted == before:
+                break
+        assert (await control.state()).admitted == before
+    finally:
+        await writer.close()
+        await engine.dispose()
+
+
+async def _admission_checks(control: StalenessControl) -> None:
     for _ in range(10):
         await control.admit()  # no trainer registered: no limit
     state = await control.configure(version=0, batch_size=1, staleness_bound=1, pending_sessions=1)

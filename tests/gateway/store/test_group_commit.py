@@ -141,3 +141,56 @@ async def test_cached_session_and_parent_hints_follow_changes_made_through_the_s
     assert (await store.get_session(session_id=new.id, cached=True)).status == "finished"
     await store.set_session_status(session_id=new.id, status="abandoned")
     assert (await store.get_session(session_id=new.id, cached=True)).status == "abandoned"
+
+
+async def test_sqlite_writer_stores_what_sqlalchemy_stores_and_takes_turns_with_other_writers(
+        tmp_path, sqlite_template) -> None:
+    """On SQLite the group commit writes through its own sqlite3 connection in one thread hop per batch. Its
+    rows must be byte for byte what SQLAlchemy writes for the same values (JSON text, packed arrays), and it
+    must wait for a write transaction of another connection (the store's SQLAlchemy writer, another tool)
+    instead of failing."""
+    import shutil
+    import sqlite3
+
+    shutil.copy(sqlite_template, tmp_path / "s.db")
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path}/s.db")
+    try:
+        s = await store.create_session(metadata={"name": "é", "n": [1, 2.5, None]})
+        turn = make_turn("w1", s.id, None, prompt=[1, -2, 2**31 - 1], output=[5, 6])
+        turn.request = {"messages": [{"role": "user", "content": "naïve \u2028 \"q\""}], "tools": None}
+        new = store.new_session(group_id="g", metadata={"implicit": True, "owner": None})
+        await store.record_interactions([turn], create=[])
+        await store.record_interactions([make_turn("w2", new.id, None, prompt=[3], output=[4])], create=[new])
+        # the same values written by SQLAlchemy (the store's other write path) into a copy of the row
+        import sqlalchemy as sa
+
+        from gateway.store import schema
+        from gateway.store.rows import interaction_to_row
+        from gateway.store.api import _new_session_row
+
+        copy = interaction_to_row(turn) | {"id": "w1-copy"}
+        row, _ = _new_session_row(group_id="g", task_id=None, metadata={"implicit": True, "owner": None})
+        async with store.write_transaction() as conn:
+            await conn.execute(sa.insert(schema.interactions).values(**copy))
+            await conn.execute(sa.insert(schema.sessions).values(**row))
+        raw = sqlite3.connect(tmp_path / "s.db")
+        cols = ", ".join(c.name for c in schema.interactions.columns if c.name not in ("id", "created_at"))
+        mine, theirs = (raw.execute(f"SELECT {cols} FROM interactions WHERE id = ?", (i,)).fetchone()
+                        for i in ("w1", "w1-copy"))
+        assert mine == theirs
+        scols = "metadata, status, is_eval, reward, version, finished_at, typeof(is_eval), typeof(created_at)"
+        assert raw.execute(f"SELECT {scols} FROM sessions WHERE id = ?", (new.id,)).fetchone() == \
+            raw.execute(f"SELECT {scols} FROM sessions WHERE id = ?", (row["id"],)).fetchone()
+
+        # another connection holds the write lock for a moment: the batch waits for it and commits
+        raw.execute("BEGIN IMMEDIATE")
+        pending = asyncio.ensure_future(store.record_interactions(
+            [make_turn("w3", s.id, "w1", prompt=[7], output=[8])]))
+        await asyncio.sleep(0.3)
+        assert not pending.done()
+        raw.execute("COMMIT")
+        await asyncio.wait_for(pending, 10)
+        assert [t.id for t in await store.session_interactions(session_id=s.id)] == ["w1", "w1-copy", "w3"]
+        raw.close()
+    finally:
+        await store.close()
