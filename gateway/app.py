@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.routing import APIRoute, APIRouter
 from redis.exceptions import RedisError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,6 +33,7 @@ from gateway.context import Services
 from gateway.control import ControlPlane
 from gateway.engine_client import EngineRouter
 from gateway.engines import EngineInfo, connect_engines
+from gateway.fasthttp import FastHTTP
 from gateway.errors import (
     Conflict,
     GatewayError,
@@ -124,6 +126,69 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
+class GatewayApp(FastAPI):
+    """The FastAPI app, with the generation routes (marked ``gateway.routes.common.direct``) served straight
+    from the ASGI entry: an agent turn skips Starlette's middleware stack, the router's path matching and
+    FastAPI's dependency solving. What they did for these routes is done here: ``scope["app"]``, the
+    exception handlers (the same ones, by exception class), the request metrics. Everything else goes
+    through FastAPI as usual."""
+
+    metrics: Metrics
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.direct_routes: dict[tuple[str, str], Any] = {}
+
+    def include_direct_routes(self, router: APIRouter, prefix: str) -> None:
+        """Note the marked routes of ``router`` (included under ``prefix``) whose path has no parameters."""
+        for route in router.routes:
+            path = prefix + router.prefix + getattr(route, "path", "{")
+            if isinstance(route, APIRoute) and getattr(route.endpoint, "__agentrl_direct__", False) \
+                    and "{" not in path:
+                for method in route.methods:
+                    self.direct_routes[(method, path)] = route.endpoint
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            endpoint = self.direct_routes.get((scope["method"], scope["path"]))
+            if endpoint is not None:
+                await self._direct(endpoint, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    async def _direct(self, endpoint: Any, scope: Any, receive: Any, send: Any) -> None:
+        scope["app"] = self
+        start = time.perf_counter()
+        status = 500
+        try:
+            request = Request(scope, receive, send)
+            try:
+                response = await endpoint(request)
+            except Exception as exc:
+                cls, handler = _exception_handler(self.exception_handlers, exc)
+                if handler is None:
+                    raise
+                response = await handler(request, exc)
+                if cls is Exception:  # as Starlette's ServerErrorMiddleware: answer, then let the server see it
+                    status = response.status_code
+                    await response(scope, receive, send)
+                    raise
+            status = response.status_code
+            await response(scope, receive, send)
+        finally:
+            path = scope["path"]
+            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+
+
+def _exception_handler(handlers: dict[Any, Any], exc: Exception) -> tuple[Any, Any]:
+    """The exception handler for ``exc`` (the nearest class of its MRO that has one) and that class."""
+    for cls in type(exc).__mro__:
+        if cls in handlers:
+            return cls, handlers[cls]
+    return None, None
+
+
 def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
@@ -161,6 +226,8 @@ def create_app(
         own_http = http is None
         client = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1000,
                                                                max_keepalive_connections=200))
+        # generation calls go through the lean client unless the caller injected its own httpx client
+        fast = FastHTTP() if own_http else None
         own_store = store is None
         opened: Store | None = store
         control: ControlPlane | None = None
@@ -168,7 +235,7 @@ def create_app(
         try:
             engines = await connect_engines(settings.engine_url, settings.engine_kind, client,
                                             timeout_s=settings.engine_timeout_s,
-                                            startup_timeout_s=settings.startup_timeout_s)
+                                            startup_timeout_s=settings.startup_timeout_s, fast=fast)
             router = EngineRouter(engines, health_interval_s=settings.health_interval_s)
             await router.wait_healthy(settings.startup_timeout_s)
             info = await _discover(router, settings)
@@ -216,14 +283,18 @@ def create_app(
                 await opened.close()
             if own_http:
                 await client.aclose()
+            if fast is not None:
+                await fast.close()
 
-    app = FastAPI(title="agentrl gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = GatewayApp(title="agentrl gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                     openapi_url=None)
     app.state.metrics = metrics
+    app.metrics = metrics
     if admission is not None:
         app.state.admission = admission
     _install_error_handlers(app)
     for router_, prefix in routers():
         app.include_router(router_, prefix=prefix)
+        app.include_direct_routes(router_, prefix)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

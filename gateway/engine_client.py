@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from gateway import jsonio
+from gateway.fasthttp import FastHTTP, HTTPFailure, lines, supported
 from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, GatewayError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -193,10 +194,15 @@ def engine_error(base_url: str, status: int, message: str) -> GatewayError:
 
 
 def _error_message(resp: httpx.Response) -> str:
+    return error_text(resp.content, resp.reason_phrase)
+
+
+def error_text(content: bytes, reason: str = "") -> str:
+    """The message of an engine's error response body (JSON ``error.message`` / ``message``, else text)."""
     try:
-        body = resp.json()
+        body = jsonio.loads(content)
     except ValueError:
-        return resp.text[:500] or resp.reason_phrase
+        return content.decode("utf-8", "replace")[:500] or reason
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and "message" in err:
@@ -210,10 +216,11 @@ _JSON = {"content-type": "application/json"}
 SSE_DONE = object()  # what :func:`sse_json` yields for the stream's ``data: [DONE]`` line
 
 
-async def sse_json(resp: httpx.Response, malformed: str) -> AsyncIterator[Any]:
-    """The JSON payloads of an engine's SSE stream (``data:`` lines), then :data:`SSE_DONE` if the engine
-    ended it with ``[DONE]``; a payload that is not JSON raises EngineError(``malformed``)."""
-    async for line in resp.aiter_lines():
+async def sse_json(resp: httpx.Response | AsyncIterator[str], malformed: str) -> AsyncIterator[Any]:
+    """The JSON payloads of an engine's SSE stream (``data:`` lines of a response, or of its lines), then
+    :data:`SSE_DONE` if the engine ended it with ``[DONE]``; a payload that is not JSON raises
+    EngineError(``malformed``)."""
+    async for line in (resp.aiter_lines() if isinstance(resp, httpx.Response) else resp):
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
@@ -231,13 +238,19 @@ class EngineClient:
 
     kind = "sglang"
 
-    def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0,
+                 fast: FastHTTP | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.http = http
         self.timeout = httpx.Timeout(timeout_s, connect=5.0)
+        self.timeout_s = timeout_s
+        # /generate (streamed or not) goes through the lean client when given one (the app's own, not an
+        # injected httpx client) and it can reach the URL; everything else through ``http``
+        self.fast = fast if fast is not None and supported(self.base_url) else None
 
-    def _translate(self, exc: httpx.HTTPError) -> EngineUnavailable:
-        return EngineUnavailable(f"engine {self.base_url} unreachable: {type(exc).__name__}: {exc}")
+    def _translate(self, exc: httpx.HTTPError | HTTPFailure) -> EngineUnavailable:
+        name = f"HTTP {exc.kind}" if isinstance(exc, HTTPFailure) else type(exc).__name__
+        return EngineUnavailable(f"engine {self.base_url} unreachable: {name}: {exc}")
 
     def error(self, status: int, message: str) -> GatewayError:
         return engine_error(self.base_url, status, message)
@@ -308,11 +321,25 @@ class EngineClient:
         except GatewayError as exc:  # the engine is gone or refuses: the error that ended the reader stands
             log.info("abort of %s on %s failed: %s", request_id, self.base_url, exc)
 
+    async def _generate_fast(self, body: dict[str, Any]) -> bytes:
+        assert self.fast is not None
+        try:
+            status, content = await self.fast.request(self.base_url + "/generate", "POST", jsonio.dumps(body),
+                                                      timeout_s=self.timeout_s)
+        except HTTPFailure as exc:
+            raise self._translate(exc) from exc
+        if status >= 400:
+            raise self.error(status, error_text(content, f"HTTP {status}"))
+        return content
+
     async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
         body = self._body(input_ids, params, max_new_tokens, False)
         done = False
         try:
-            resp = await self._post("/generate", body)
+            if self.fast is not None:
+                content = await self._generate_fast(body)
+            else:
+                content = (await self._post("/generate", body)).content
             done = True
         except (InvalidRequest, EngineError):
             done = True  # the engine answered (with a refusal): nothing of the request runs there
@@ -320,7 +347,7 @@ class EngineClient:
         finally:
             await self._abort_unless(done, body["rid"])
         try:
-            out = jsonio.loads(resp.content)
+            out = jsonio.loads(content)
         except ValueError as exc:
             raise EngineError(f"engine {self.base_url} answered /generate with a body that is not JSON") from exc
         return parse_output(out)
@@ -331,6 +358,10 @@ class EngineClient:
         """Outputs as the engine streams them (SGLang's default, cumulative mode): each one holds the tokens
         from its ``start`` on, the earlier ones being those of the outputs before it."""
         body = self._body(input_ids, params, max_new_tokens, True)
+        if self.fast is not None:
+            async for out in self._stream_fast(body):
+                yield out
+            return
         done = False
         try:
             async with self.http.stream("POST", self.base_url + "/generate", json=body,
@@ -354,6 +385,39 @@ class EngineClient:
         except httpx.HTTPError as exc:
             raise self._translate(exc) from exc
         finally:
+            await self._abort_unless(done, body["rid"])
+
+    async def _stream_fast(self, body: dict[str, Any]) -> AsyncIterator[EngineOutput]:
+        """:meth:`generate_stream` through the lean client (the same outputs and errors)."""
+        assert self.fast is not None
+        done = False
+        chunks = self.fast.stream(self.base_url + "/generate", jsonio.dumps(body), timeout_s=self.timeout_s)
+        text = lines(chunks)
+        events = sse_json(text, f"engine {self.base_url} sent a malformed stream chunk")
+        try:
+            status, _ = await chunks.__anext__()
+            if status >= 400:
+                content = b"".join([chunk async for _, chunk in chunks if chunk])
+                done = True  # refused: nothing runs
+                raise self.error(status, error_text(content, f"HTTP {status}"))
+            known = 0
+            async for chunk in events:
+                if chunk is SSE_DONE:
+                    done = True
+                    return
+                if isinstance(chunk, dict) and "error" in chunk:
+                    done = True  # SGLang's refusal once the stream began: the request is over
+                    raise self._stream_error(chunk["error"])
+                out = parse_output(chunk, known)
+                known = out.start + len(out.output_ids)
+                done = out.finish is not None
+                yield out
+        except HTTPFailure as exc:
+            raise self._translate(exc) from exc
+        finally:
+            await events.aclose()
+            await text.aclose()
+            await chunks.aclose()  # before its end: closes the connection, so the engine sees us go
             await self._abort_unless(done, body["rid"])
 
     async def health(self, *, paused: bool = False) -> bool:

@@ -28,6 +28,7 @@ from gateway.errors import EngineUnavailable
 
 if TYPE_CHECKING:
     from gateway.engine_client import EngineOutput, SamplingParams
+    from gateway.fasthttp import FastHTTP
 
 ENGINE_KINDS = ("auto", "sglang", "vllm")
 
@@ -82,13 +83,15 @@ class Engine(Protocol):
         ...
 
 
-def make_engine(kind: str, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0) -> Engine:
-    """The client of one engine of a known kind (``sglang`` or ``vllm``)."""
+def make_engine(kind: str, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0,
+                fast: FastHTTP | None = None) -> Engine:
+    """The client of one engine of a known kind (``sglang`` or ``vllm``). ``fast``: the lean HTTP client
+    for SGLang-native generation calls (``gateway.fasthttp``)."""
     from gateway.engine_client import EngineClient
     from gateway.engines.vllm import VLLMClient
 
     if kind == "sglang":
-        return EngineClient(base_url, http, timeout_s=timeout_s)
+        return EngineClient(base_url, http, timeout_s=timeout_s, fast=fast)
     if kind == "vllm":
         return VLLMClient(base_url, http, timeout_s=timeout_s)
     raise ValueError(f"unknown engine kind {kind!r}; valid: sglang, vllm (or auto to detect)")
@@ -127,14 +130,14 @@ async def probe_kind(base_url: str, http: httpx.AsyncClient) -> str | None:
 
 
 async def connect_engines(urls: list[str], kind: str, http: httpx.AsyncClient, *, timeout_s: float,
-                          startup_timeout_s: float) -> list[Engine]:
+                          startup_timeout_s: float, fast: FastHTTP | None = None) -> list[Engine]:
     """One client per URL; with ``kind == "auto"`` each engine's kind is probed until it answers.
 
     An engine that does not answer within ``startup_timeout_s`` while another did is taken to be of the
     other's kind (a fleet is one kind; the router's health checks keep it out of rotation until it is up).
     """
     if kind != "auto":
-        return [make_engine(kind, u, http, timeout_s=timeout_s) for u in urls]
+        return [make_engine(kind, u, http, timeout_s=timeout_s, fast=fast) for u in urls]
     deadline = time.monotonic() + startup_timeout_s
 
     async def detect(url: str) -> str | None:
@@ -150,4 +153,4 @@ async def connect_engines(urls: list[str], kind: str, http: httpx.AsyncClient, *
         raise EngineUnavailable(
             f"cannot tell the kind of engine(s) {', '.join(urls)} within {startup_timeout_s:.0f}s (neither "
             "GET /get_model_info nor GET /version answered); start one, or pass --engine-kind sglang|vllm")
-    return [make_engine(k or known[0], u, http, timeout_s=timeout_s) for k, u in zip(kinds, urls)]
+    return [make_engine(k or known[0], u, http, timeout_s=timeout_s, fast=fast) for k, u in zip(kinds, urls)]

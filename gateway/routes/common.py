@@ -19,6 +19,14 @@ M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 
+def direct(endpoint: T) -> T:
+    """Mark a route served straight from the app's ASGI entry (``gateway.app.GatewayApp``) when its path has
+    no parameters: the generation routes, which every agent turn calls. Such an endpoint takes only the
+    ``Request`` and returns a ``Response``; its errors go to the app's exception handlers as before."""
+    endpoint.__agentrl_direct__ = True  # type: ignore[attr-defined]
+    return endpoint
+
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of streams
 
 

@@ -19,12 +19,13 @@ from gateway.chat.normalize import validate_messages
 from gateway.context import services
 from gateway.errors import from_chat_error
 from gateway.formats import messages as fmt
-from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json, unless_disconnected
+from gateway.routes.common import SSE_HEADERS, caller, direct, json_body, json_response, read_json, unless_disconnected
 from gateway.service import GenerationService
 
 router = APIRouter()
 
 @router.post("/v1/messages", openapi_extra=json_body(fmt.MessagesRequest))
+@direct
 async def create_message(request: Request) -> Response:
     svc = services(request)
     who = await caller(request)

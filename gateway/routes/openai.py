@@ -14,7 +14,7 @@ from gateway.binding import session_for
 from gateway.context import services
 from gateway.errors import InvalidRequest, NotFound
 from gateway.formats import chat
-from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json, unless_disconnected
+from gateway.routes.common import SSE_HEADERS, caller, direct, json_body, json_response, read_json, unless_disconnected
 from gateway.service import GenerationService
 from gateway.wire import ChatCompletionRequest, CompletionRequest
 
@@ -40,11 +40,13 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
 
 
 @router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
+@direct
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, ChatCompletionRequest, chat.chat_response, chat.chat_chunks)
 
 
 @router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
+@direct
 async def completions(request: Request) -> Response:
     return await _generate(request, CompletionRequest, chat.completion_response, chat.completion_chunks)
 

@@ -17,13 +17,14 @@ from gateway.context import services
 from gateway.errors import from_store_error
 from gateway.formats import responses as fmt
 from gateway.formats.common import conversation_of, load_turn
-from gateway.routes.common import SSE_HEADERS, caller, json_body, json_response, read_json, unless_disconnected
+from gateway.routes.common import SSE_HEADERS, caller, direct, json_body, json_response, read_json, unless_disconnected
 from gateway.service import GenerationService
 from gateway.store import errors as store_errors
 
 router = APIRouter()
 
 @router.post("/v1/responses", openapi_extra=json_body(fmt.ResponsesRequest))
+@direct
 async def create_response(request: Request) -> Response:
     svc = services(request)
     who = await caller(request)

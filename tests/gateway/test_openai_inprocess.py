@@ -459,6 +459,52 @@ async def test_bad_inputs_get_openai_errors_and_record_nothing(make_gw: Any) -> 
         assert len(await interactions(gw, sess["session_id"])) == 1  # only the good request
 
 
+async def test_direct_routes_answer_as_the_fastapi_routes_do(make_gw: Any, monkeypatch: Any) -> None:
+    """The generation routes are served from the app's ASGI entry (``GatewayApp``); the same route under
+    ``/sessions/{id}`` goes through FastAPI. Errors (handled, and unexpected: 500), headers and the request
+    metrics must come out the same either way."""
+    async with make_gw(["a", "b", "c", "d"]) as gw:
+        assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
+                ("POST", "/v1/messages")} <= set(gw.app.direct_routes)
+        assert not any("{" in path for _, path in gw.app.direct_routes)
+        sess = await gw.session()
+        key, via_fastapi = sess["api_key"], f"/sessions/{sess['session_id']}/v1/chat/completions"
+        for body in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "temperature": 7}):
+            direct, routed = [await gw.post(path, {"model": "m", **body}, key=key)
+                              for path in ("/v1/chat/completions", via_fastapi)]
+            assert (direct.status_code, direct.json()) == (routed.status_code, routed.json())
+            assert direct.headers["content-type"] == routed.headers["content-type"]
+        anthropic = await gw.post("/v1/messages", {"model": "m", "max_tokens": 5, "messages": []}, key=key)
+        assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"  # Anthropic's shape
+        ok = await gw.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 3}, key=key)
+        assert ok.status_code == 200 and ok.headers["content-type"] == "application/json"
+
+        from gateway.service import GenerationService
+
+        async def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(GenerationService, "run_turn", broken)
+        # a bug: answered 500, then raised on to the server (which logs it), as Starlette does
+        quiet = httpx.AsyncClient(transport=httpx.ASGITransport(app=gw.app, raise_app_exceptions=False),
+                                  base_url="http://gw")
+        direct, routed = [await quiet.post(path, json={"messages": [{"role": "user", "content": "hi"}]},
+                                           headers={"Authorization": f"Bearer {key}"})
+                          for path in ("/v1/chat/completions", via_fastapi)]
+        for path in ("/v1/chat/completions", via_fastapi):
+            with pytest.raises(RuntimeError, match="a bug"):
+                await gw.post(path, {"messages": [{"role": "user", "content": "hi"}]}, key=key)
+        await quiet.aclose()
+        assert direct.status_code == routed.status_code == 500
+        assert direct.json() == routed.json() and "internal error" in direct.json()["error"]["message"]
+        metrics = (await gw.http.get("/metrics")).text
+        # both paths count under the route's own template (as FastAPI's included routers report it)
+        assert 'agentrl_gateway_requests_total{route="/v1/chat/completions",status="400"} 4.0' in metrics
+        assert 'agentrl_gateway_requests_total{route="/v1/chat/completions",status="200"} 1.0' in metrics
+        assert 'agentrl_gateway_requests_total{route="/v1/chat/completions",status="500"} 4.0' in metrics
+
+
 async def test_admin_api_and_metrics(make_gw: Any) -> None:
     async with make_gw(["a"]) as gw:
         headers = {"Authorization": f"Bearer {ADMIN}"}

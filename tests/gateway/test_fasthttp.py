@@ -1,0 +1,258 @@
+"""The lean engine HTTP client (``gateway.fasthttp``) behind ``EngineClient``, over real HTTP: the same
+outputs and error mapping as the httpx path (the fakes of test_engine_client served by uvicorn), kept
+connections, timeouts, a kept connection the server drops, early close."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from gateway.engine_client import EngineClient, EngineRouter, SamplingParams
+from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
+from gateway.fasthttp import FastHTTP, lines
+from tests.gateway.test_engine_client import EOT, FakeEngine, body, collect
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
+
+
+class Served:
+    """An httpx handler (the fakes at the protocol boundary) served over real HTTP by uvicorn in this loop;
+    counts the TCP connections it accepted."""
+
+    def __init__(self, handler: Handler, *, keep_alive_s: float = 5.0) -> None:
+        self.handler = handler
+        self.keep_alive_s = keep_alive_s
+        self.connections = 0
+        self.requests: list[str] = []
+
+    async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        data = b""
+        while True:
+            message = await receive()
+            data += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.requests.append(scope["path"])
+        request = httpx.Request(scope["method"], f"http://e{scope['path']}", content=data,
+                                headers=[(k.decode(), v.decode()) for k, v in scope["headers"]])
+        got = self.handler(request)
+        response = await got if asyncio.iscoroutine(got) else got
+        await send({"type": "http.response.start", "status": response.status_code,
+                    "headers": [(k.encode(), v.encode()) for k, v in response.headers.items()
+                                if k.lower() not in ("content-length", "transfer-encoding")]})
+        try:
+            whole: bytes | None = response.content  # built with json= / text=
+        except httpx.ResponseNotRead:
+            whole = None  # an async stream of events
+        if whole is not None:
+            await send({"type": "http.response.body", "body": whole, "more_body": True})
+        else:
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def __aenter__(self) -> Served:
+        outer = self
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                interface="asgi3", timeout_keep_alive=self.keep_alive_s)
+        self.server = uvicorn.Server(config)
+        self.task = asyncio.ensure_future(self.server.serve())
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        sock = self.server.servers[0].sockets[0]
+        self.url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+        original = self.server.server_state.connections
+
+        class Seen(set):  # type: ignore[type-arg]
+            def add(self, item: Any) -> None:
+                outer.connections += 1
+                super().add(item)
+
+        self.server.server_state.connections = Seen(original)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def router_over(engine: FakeEngine, served: Served, fast: FastHTTP) -> tuple[EngineRouter, httpx.AsyncClient]:
+    http = httpx.AsyncClient()
+    return EngineRouter([EngineClient(served.url, http, fast=fast)]), http
+
+
+async def test_generate_stream_and_errors_match_the_httpx_path() -> None:
+    engine = FakeEngine("a", [5, 6, 7, EOT])
+    fast = FastHTTP()
+    async with Served(engine.handler) as served:
+        router, http = await router_over(engine, served, fast)
+        assert router.engines[0].client.fast is fast  # type: ignore[attr-defined]
+        params = SamplingParams(max_new_tokens=10, seed=4, stop=["x"], stop_token_ids=[EOT])
+        for _ in range(3):
+            gen = await collect(router, [1, 2, 3], params, affinity_key=None, stream=False)
+            assert gen.output_ids == [5, 6, 7, EOT] and gen.finish == "stop" and gen.logprobs == [-0.5] * 4
+        assert engine.requests[-1]["sampling_params"]["sampling_seed"] == 4
+        seen = []
+        async for gen in router.generate([1, 2, 3], params, affinity_key=None, stream=True):
+            seen.append(list(gen.output_ids))
+        assert seen == [[5], [5, 6], [5, 6, 7], [5, 6, 7, EOT]] and gen.finish == "stop"
+        assert served.connections == 1  # every request on one kept connection
+        with pytest.raises(InvalidRequest, match="prompt too long") as err:
+            await collect(router, [666], params, affinity_key=None, stream=False)
+        assert err.value.code == "context_length_exceeded"
+        with pytest.raises(InvalidRequest, match="prompt too long"):
+            await collect(router, [666], params, affinity_key=None, stream=True)
+        assert router.engines[0].healthy  # a refusal says nothing about the engine's health
+    # the server is gone: connection refused is an unavailable engine, out of rotation
+    with pytest.raises(EngineUnavailable, match="HTTP connect"):
+        await collect(router, [1], params, affinity_key=None, stream=False)
+    assert not router.engines[0].healthy
+    await http.aclose()
+    await fast.close()
+
+
+async def test_stream_error_event_and_pause_resume_over_real_http() -> None:
+    engine = FakeEngine("a", [10, 11, 12, 13, 14, 15, EOT])
+    fast = FastHTTP()
+    async with Served(engine.handler) as served:
+        router, http = await router_over(engine, served, fast)
+        seen: list[list[int]] = []
+
+        async def consume() -> Any:
+            last = None
+            async for gen in router.generate([1, 2], SamplingParams(max_new_tokens=50), affinity_key="s",
+                                             stream=True):
+                seen.append(list(gen.output_ids))
+                last = gen
+            return last
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(engine.step.wait(), 5)
+        await router.pause()
+        for _ in range(100):
+            if router.held:
+                break
+            await asyncio.sleep(0.01)
+        assert router.held == 1 and not task.done()
+        await router.resume(5)
+        gen = await asyncio.wait_for(task, 5)
+        assert gen.output_ids == [10, 11, 12, 13, 14, 15, EOT] and gen.segments == 2
+        assert 5 in gen.versions and all(seen[i] == seen[i + 1][: len(seen[i])] for i in range(len(seen) - 1))
+        await http.aclose()
+
+    answers = {"other": 'data: {"error": {"message": "top_p must be in (0, 1]"}}\r\n\r\ndata: [DONE]\r\n\r\n',
+               "down": 'data: {"error": {"message": "overloaded", "code": 503}}\n\ndata: [DONE]\n\n',
+               "junk": "data: {not json\n\n", "500": ""}
+    current = {"answer": ""}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if current["answer"] == "":
+            return httpx.Response(500, text="boom")
+        return httpx.Response(200, text=current["answer"], headers={"content-type": "text/event-stream"})
+
+    async with Served(handler) as served, httpx.AsyncClient() as http:
+        client = EngineClient(served.url, http, fast=fast)
+
+        async def first_error(kind: str) -> Exception:
+            current["answer"] = answers[kind]
+            with pytest.raises(Exception) as err:
+                async for _ in client.generate_stream([1, 2], SamplingParams(max_new_tokens=4), 4):
+                    pass
+            return err.value
+
+        other = await first_error("other")
+        assert type(other) is InvalidRequest and "top_p" in other.message
+        assert isinstance(await first_error("down"), EngineUnavailable)
+        assert type(await first_error("junk")) is EngineError
+        boom = await first_error("500")
+        assert type(boom) is EngineError and "500: boom" in boom.message
+    await fast.close()
+
+
+async def test_timeout_cancel_and_a_kept_connection_dropped_by_the_server() -> None:
+    release = asyncio.Event()
+    aborted: list[str] = []
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/abort_request":
+            aborted.append(json.loads(request.content)["rid"])
+            return httpx.Response(200, json={})
+        if json.loads(request.content)["input_ids"] == [9]:
+            await release.wait()
+        return httpx.Response(200, json=body([4, EOT], {"type": "stop", "matched": EOT}))
+
+    fast = FastHTTP()
+    async with Served(slow) as served, httpx.AsyncClient() as http:
+        client = EngineClient(served.url, http, timeout_s=0.3, fast=fast)
+        with pytest.raises(EngineUnavailable, match="HTTP timeout"):
+            await client.generate([9], SamplingParams(max_new_tokens=4), 4)
+        for _ in range(100):  # the gateway gave up: it tells the engine to stop too
+            if aborted:
+                break
+            await asyncio.sleep(0.01)
+        assert len(aborted) == 1
+        client = EngineClient(served.url, http, timeout_s=30, fast=fast)
+        task = asyncio.ensure_future(client.generate([9], SamplingParams(max_new_tokens=4), 4))
+        await asyncio.sleep(0.2)
+        task.cancel()  # the agent went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if len(aborted) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(aborted) == 2
+        release.set()
+        out = await client.generate([1], SamplingParams(max_new_tokens=4), 4)
+        assert out.output_ids == [4, EOT]
+
+    # a server that answers one request per connection and then drops it when the next request comes
+    # (what a keep-alive timeout racing a reused connection looks like): the request is retried once
+    accepted = 0
+
+    async def one_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+        await reader.readexactly(length)
+        payload = json.dumps(body([3, EOT], {"type": "stop", "matched": EOT})).encode()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(payload), payload))
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the next request on this connection: dropped unanswered
+        writer.close()
+
+    server = await asyncio.start_server(one_per_connection, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with httpx.AsyncClient() as http:
+        client = EngineClient(f"http://127.0.0.1:{port}", http, fast=fast)
+        for _ in range(3):
+            assert (await client.generate([1], SamplingParams(max_new_tokens=4), 4)).output_ids == [3, EOT]
+    assert accepted == 3
+    server.close()
+    await fast.close()
+
+
+async def test_lines_splits_like_httpx() -> None:
+    async def chunks(parts: list[bytes]) -> AsyncIterator[tuple[int, Any]]:
+        yield 200, None
+        for part in parts:
+            yield 200, part
+
+    text = b"data: a\r\n\r\ndata: \xc3\xa9b\n\ndata: c\rdata: d"
+    for cut in range(len(text) + 1):
+        for cut2 in range(cut, len(text) + 1, 3):
+            got = [line async for line in lines(chunks([text[:cut], text[cut:cut2], text[cut2:]]))]
+            assert got == ["data: a", "", "data: \u00e9b", "", "data: c", "data: d"], (cut, cut2)
+    response = httpx.Response(200, content=text)
+    assert [line async for line in response.aiter_lines()] == ["data: a", "", "data: \u00e9b", "", "data: c",
+                                                               "data: d"]
