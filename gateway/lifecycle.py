@@ -367,7 +367,6 @@ class TrajectoryService:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._wake = asyncio.Event()
-        self._has_reward: set[str] = set()
         # who holds the lock, readable by operators: host, pid, and a random part (pids are reused)
         self._leader_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.leading = False  # whether the last tick held the leader lock
@@ -513,12 +512,9 @@ class TrajectoryService:
         return done
 
     async def _rewarded(self, s: SessionRecord) -> bool:
-        if s.reward is not None or s.id in self._has_reward:
-            return True
-        if await self.store.reward_history(session_id=s.id):
-            self._has_reward.add(s.id)  # rewards are replaced, never removed
-            return True
-        return False
+        # Not remembered: a session found rewarded here is finished at once, so a set of them only grew
+        # (one id per idle-finished session, for the life of the process).
+        return s.reward is not None or bool(await self.store.reward_history(session_id=s.id))
 
     async def _consider(self, chunk: list[SessionRecord], size: int, row: GroupRecord | None, now: float,
                         busy: set[str]) -> None:
