@@ -105,9 +105,10 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("lifecycle tick (background loop)", ("TrajectoryService", "gateway/lifecycle.py")),
     ("drift check", ("drift (gateway/chat/template.py",)),
     ("render + tokenize", ("gateway/chat/template.py",)),
-    ("engine call (httpx client, upstream answer)", ("EngineRouter.generate", "gateway/engine_client.py")),
+    ("engine call (HTTP client, upstream answer)", ("EngineRouter.generate", "gateway/engine_client.py",
+                                                     "gateway/fasthttp.py")),
     ("recording / SQL writes", ("_record (gateway/service.py", "GroupCommitWriter", "create_session",
-                                "_connection_worker_thread", "record_interactions")),
+                                "_connection_worker_thread", "record_interactions", "gateway/store/writer.py")),
     ("validation", ("validate_messages", "_refuse_surely_too_long", "model_validate", "refuse_unenforced",
                     "_params_json", "_sampling (gateway/service.py", "_choices (gateway/service.py")),
     ("plan / stitch (hashes, session, parent: SQL reads)", ("plan_chat", "_stitch", "find_parent", "chain_hashes",
@@ -115,8 +116,11 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
                                                             "get_session")),
     ("response encoding", ("json_response", "chat_response", "chat_chunks", "gateway/formats/")),
 ]
+# The staleness admission runs in the SQLite writer's thread (gateway/store/writer.py frames outside it)
+FIRST = [("plan / stitch (hashes, session, parent: SQL reads)", ("_admit_sync",))]
 HTTP_TIER = [("HTTP + JSON parse (uvicorn, Starlette/FastAPI, middleware)",
-              ("httptools_impl", "h11_impl", "starlette/", "fastapi/", "read_json", "read_body", "metrics.py")),
+              ("httptools_impl", "h11_impl", "starlette/", "fastapi/", "read_json", "read_body", "metrics.py",
+               "GatewayApp")),
              # SQLAlchemy runs statements in greenlets, whose stacks py-spy sees without their callers
              ("SQL statements (SQLAlchemy in a greenlet: callers not visible)", ("sqlalchemy/", "aiosqlite/"))]
 # The event loop's own frame as the innermost one: uvloop in C, waiting in epoll or running callbacks
@@ -135,6 +139,9 @@ def classify(stack: str) -> str | None:
         return None
     if frames[-1].startswith(LOOP):
         return "loop"
+    for phase, markers in FIRST:
+        if any(m in frame for frame in frames for m in markers):
+            return phase
     for tier in (PHASES, HTTP_TIER):
         for frame in frames:
             for phase, markers in tier:

@@ -20,7 +20,8 @@ not leased; it is held back (counted) and dropped after a configured age (see ``
 Eval sessions (``metadata.eval``) never count. Before any trainer registers there is no limit.
 
 State lives in one SQL row (table ``trainer_state`` of migration ``0002_trajectories``), and admission is
-one conditional ``UPDATE``, so several gateway processes sharing a database share one budget exactly. On
+one conditional ``UPDATE`` (on PostgreSQL one autocommit statement that also reads the state for a
+refusal), so several gateway processes sharing a database share one budget exactly. On
 SQLite (one gateway process) :meth:`StalenessControl.admit` and :meth:`~StalenessControl.release` run as
 one call in the store's SQLite writer thread (``Store.sqlite_writer``: the same ``UPDATE`` in one hop off
 the event loop; an implicit-mode root turn asks for it on every request).
@@ -97,6 +98,16 @@ def _state(row: sa.Row[Any] | None) -> TrainerState | None:
 
 def _unavailable(exc: SQLAlchemyError) -> errors.StoreUnavailable:
     return errors.StoreUnavailable(f"staleness state unavailable: {exc}")
+
+
+# PostgreSQL: admit() as one statement in autocommit (one round trip): the conditional UPDATE, and the
+# state as it was before it (what a refusal reports; the UPDATE did nothing then). READ COMMITTED
+# re-checks the UPDATE's condition after waiting for a concurrent admission's row lock, as before.
+_ADMIT_ONE_STATEMENT = sa.text(
+    "WITH upd AS (UPDATE trainer_state SET admitted = admitted + :n WHERE id = :id AND admitted + :n <= "
+    "(staleness_bound + version - base_version + 1) * batch_size * group_size RETURNING id) "
+    "SELECT (SELECT count(*) FROM upd) AS done, t.version, t.batch_size, t.staleness_bound, t.group_size, "
+    "t.base_version, t.admitted FROM (SELECT 1) AS one LEFT JOIN trainer_state AS t ON t.id = :id")
 
 
 class StalenessControl:
@@ -180,11 +191,25 @@ class StalenessControl:
             return 0
         if self.sqlite_writer is not None:
             return await self._admit_sqlite(n)
+        if self.engine.dialect.name != "postgresql":
+            try:
+                async with self.engine.begin() as conn:
+                    return await self.admit_in(conn, n=n)
+            except SQLAlchemyError as exc:
+                raise _unavailable(exc) from exc
         try:
-            async with self.engine.begin() as conn:
-                return await self.admit_in(conn, n=n)
+            async with self.engine.connect() as conn:
+                autocommit = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                row = (await autocommit.execute(_ADMIT_ONE_STATEMENT, {"n": n, "id": _ROW})).first()
         except SQLAlchemyError as exc:
             raise _unavailable(exc) from exc
+        assert row is not None
+        if row.done:
+            return n
+        if row.version is None:
+            return 0  # no trainer registered: nothing to stay within
+        self._refuse(TrainerState(row.version, row.batch_size, row.staleness_bound, row.group_size,
+                                  row.base_version, row.admitted), n)
 
     async def _admit_sqlite(self, n: int) -> int:
         """:meth:`admit` as one transaction in the SQLite writer's thread. A caller cancelled meanwhile

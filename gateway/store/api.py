@@ -67,7 +67,7 @@ from gateway.store.rows import (
 )
 from gateway.store.seqcache import SequenceCache, TurnCache
 from gateway.store.tree import parents_first, tree_json
-from gateway.store.writer import SQLITE_PRAGMAS, GroupCommitWriter, SqliteBatchWriter
+from gateway.store.writer import SQLITE_PRAGMAS, GroupCommitWriter, PostgresBatchWriter, SqliteBatchWriter
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +149,18 @@ class Store:
         self._sessions: OrderedDict[str, SessionRecord] = OrderedDict()
         self._chains: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._local_entries = max(1024, 64 * turn_cache_size)
+        self._sqlite_writer = (SqliteBatchWriter(os.path.abspath(str(write_engine.url.database)))
+                               if self._is_sqlite else None)
+        url = write_engine.url
+        direct = self._sqlite_writer or PostgresBatchWriter(
+            url.set(drivername="postgresql").render_as_string(hide_password=False))
         self._writer = GroupCommitWriter(
             self._write_tx,
             lock_rows=not self._is_sqlite,
             max_batch_rows=max_batch_rows,
             delay_s=commit_delay_s,
             after_commit=self._after_commit,
-            direct=SqliteBatchWriter(os.path.abspath(str(write_engine.url.database))) if self._is_sqlite else None,
+            direct=direct,
         )
         self._closed = False
 
@@ -261,7 +266,7 @@ class Store:
     def sqlite_writer(self) -> SqliteBatchWriter | None:
         """On SQLite, the group commit's own connection and thread (``run(fn)``: ``fn(sqlite3_conn)`` in one
         write transaction, one hop off the event loop) for other hot-path writes; None on PostgreSQL."""
-        return self._writer.direct
+        return self._sqlite_writer
 
     @property
     def redis(self) -> Any | None:

@@ -12,7 +12,10 @@ update, ``COMMIT``) is one call in the writer's own thread on its own ``sqlite3`
 (:class:`SqliteBatchWriter`): one hop off the event loop per batch, instead of a hop to aiosqlite's thread
 (and a SQLAlchemy statement compilation) per statement. The stored values are those SQLAlchemy writes
 (JSON columns through ``json.dumps``, token arrays as packed bytes). The store's other write transactions
-take turns with it through SQLite's write lock (``busy_timeout``).
+take turns with it through SQLite's write lock (``busy_timeout``). On PostgreSQL the same transaction runs
+on the writer's own ``asyncpg`` connection (:class:`PostgresBatchWriter`: constant statements, prepared
+once, ``= ANY($1)`` for the id lists, ``executemany`` for the rows), without SQLAlchemy's compilation and
+greenlet switch per statement; it reconnects after the connection was lost.
 
 A job is all-or-nothing. Jobs that fail the checks fail alone; if the batch transaction itself fails for
 a data reason (a race the checks could not see), it is rolled back and retried job by job, so exactly the
@@ -72,11 +75,10 @@ class GroupCommitWriter:
         max_batch_rows: int,
         delay_s: float,
         after_commit: Callable[[list[tuple[Interaction, dict[str, Any]]]], Awaitable[None]],
-        direct: SqliteBatchWriter | None = None,
+        direct: SqliteBatchWriter | PostgresBatchWriter | None = None,
     ) -> None:
         self._transaction = transaction
         self._direct = direct
-        self.direct = direct
         self._lock_rows = lock_rows
         self._max_rows = max(1, max_batch_rows)
         self._delay_s = delay_s
@@ -179,7 +181,7 @@ class GroupCommitWriter:
         the committed jobs. Raises StoreError when the transaction as a whole fails."""
         self.stats.transactions += 1
         if self._direct is not None:
-            failed = await self._direct.run(lambda conn: _write_sqlite(conn, batch))
+            failed = await self._direct.write(batch)
             for index, error in failed:
                 _fail(batch[index], error)
             self.stats.failed_calls += len(failed)
@@ -251,6 +253,10 @@ class SqliteBatchWriter:
             self._conn = conn
         return self._conn
 
+    async def write(self, batch: list[_Job]) -> list[tuple[int, StoreError]]:
+        """One batch of the group commit (its failed jobs' indexes and errors; the rest is committed)."""
+        return await self.run(lambda conn: _write_sqlite(conn, batch))
+
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """``fn(conn)`` in one write transaction, committed if it returns; rolled back if it raises.
         sqlite3 errors (and values SQLite or JSON cannot take) are raised as StoreError. The transaction
@@ -287,6 +293,128 @@ class SqliteBatchWriter:
                 self._conn = None
         await asyncio.get_running_loop().run_in_executor(self._executor, close)
         self._executor.shutdown(wait=False)
+
+
+class PostgresBatchWriter:
+    """The PostgreSQL group commit's own ``asyncpg`` connection (opened on first use, and again after it
+    was lost)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self._conn: Any = None
+
+    async def write(self, batch: list[_Job]) -> list[tuple[int, StoreError]]:
+        """One batch of the group commit in one transaction (its failed jobs' indexes and errors; the rest
+        is committed). Database errors are raised as StoreError."""
+        import asyncpg
+
+        try:
+            if self._conn is None or self._conn.is_closed():
+                self._conn = None
+                self._conn = await asyncpg.connect(self.dsn, timeout=10)
+            async with self._conn.transaction():
+                return await _write_postgres(self._conn, batch)
+        except Exception as exc:
+            if isinstance(exc, StoreError):
+                raise
+            error = _postgres_error(exc)
+            if error is None:
+                raise
+            if isinstance(error, StoreUnavailable):
+                self._drop()
+            raise error from exc
+        except BaseException:  # cancelled mid-transaction: the connection's state is unknown
+            self._drop()
+            raise
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.terminate()
+            self._conn = None
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            try:
+                await conn.close(timeout=5)
+            except Exception:  # noqa: BLE001 - closing a broken connection
+                conn.terminate()
+
+
+def _postgres_error(exc: BaseException) -> StoreError | None:
+    """The store error for an exception of the PostgreSQL writer (as ``gateway.store.dberrors.translate``
+    maps the same errors coming through SQLAlchemy), or None for a bug."""
+    import asyncpg
+
+    from gateway.store.dberrors import translate
+
+    if isinstance(exc, asyncpg.IntegrityConstraintViolationError):
+        return Conflict(f"the database refused the write: {exc}")
+    if isinstance(exc, asyncpg.DataError):
+        return InvalidValue(f"the database refused a value: {exc}")
+    translated = translate(exc)  # SQLSTATE classes of an unavailable server, OSError, timeouts
+    if translated is not None:
+        return translated
+    if isinstance(exc, (asyncpg.PostgresConnectionError, asyncpg.InterfaceError)) and not isinstance(
+            exc, ValueError):
+        return StoreUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
+    if isinstance(exc, (TypeError, ValueError, OverflowError)):  # incl. asyncpg's client-side DataError
+        return InvalidValue(f"a value could not be stored: {exc}")
+    return None
+
+
+def _pg_insert(table: sa.Table) -> tuple[str, list[tuple[str, bool]]]:
+    names = ", ".join(f'"{c.name}"' for c in table.columns)
+    marks = ", ".join(f"${k}" for k in range(1, len(table.columns) + 1))
+    keys = [(c.key, isinstance(c.type, sa.JSON)) for c in table.columns]
+    return f'INSERT INTO "{table.name}" ({names}) VALUES ({marks})', keys
+
+
+_PG_INSERT_SESSION = _pg_insert(schema.sessions)
+_PG_INSERT_INTERACTION = _pg_insert(schema.interactions)
+
+
+async def _write_postgres(conn: Any, batch: list[_Job]) -> list[tuple[int, StoreError]]:
+    """:func:`_write_sqlite` on an ``asyncpg`` connection (inside its transaction); the sessions' rows are
+    locked (``FOR UPDATE``, in id order, so no deadlocks) against concurrent status changes."""
+    session_ids = sorted({it.session_id for job in batch for it in job.interactions})
+    status: dict[str, str] = {row[0]: row[1] for row in await conn.fetch(
+        "SELECT id, status FROM sessions WHERE id = ANY($1::varchar[]) ORDER BY id FOR UPDATE", session_ids)}
+    for job in batch:
+        status.update({row["id"]: row["status"] for row in job.sessions if row["id"] not in status})
+    wanted = list({it.id for job in batch for it in job.interactions}
+                  | {it.parent_id for job in batch for it in job.interactions if it.parent_id})
+    known: dict[str, str] = {row[0]: row[1] for row in await conn.fetch(
+        "SELECT id, session_id FROM interactions WHERE id = ANY($1::varchar[])", wanted)}
+    failed, ok = _checked(batch, status, known)
+    created = [row for job in ok for row in job.sessions]
+    if created:
+        await conn.executemany(_PG_INSERT_SESSION[0], _values(created, _PG_INSERT_SESSION[1]))
+    if ok:
+        await conn.executemany(_PG_INSERT_INTERACTION[0], _values([row for job in ok for row in job.rows],
+                                                                  _PG_INSERT_INTERACTION[1]))
+        touched = sorted({it.session_id for job in ok for it in job.interactions} - {row["id"] for row in created})
+        if touched:
+            await conn.execute("UPDATE sessions SET last_activity_at = $1 WHERE id = ANY($2::varchar[])",
+                               time.time(), touched)
+    return failed
+
+
+def _checked(batch: list[_Job], status: dict[str, str], known: dict[str, str]
+             ) -> tuple[list[tuple[int, StoreError]], list[_Job]]:
+    """The batch's jobs that fail the checks (index, error) and those that pass, in order (a passing job's
+    turns may be the parents of later jobs' turns)."""
+    failed: list[tuple[int, StoreError]] = []
+    ok: list[_Job] = []
+    for index, job in enumerate(batch):
+        error = _job_error(job, status, known)
+        if error is not None:
+            failed.append((index, error))
+            continue
+        ok.append(job)
+        for it in job.interactions:
+            known[it.id] = it.session_id
+    return failed, ok
 
 
 def _sqlite_error(exc: BaseException) -> StoreError | None:
@@ -340,16 +468,7 @@ def _write_sqlite(conn: sqlite3.Connection, batch: list[_Job]) -> list[tuple[int
                   | {it.parent_id for job in batch for it in job.interactions if it.parent_id})
     known: dict[str, str] = dict(conn.execute(
         f"SELECT id, session_id FROM interactions WHERE id IN ({_marks(len(wanted))})", wanted).fetchall())
-    failed: list[tuple[int, StoreError]] = []
-    ok: list[_Job] = []
-    for index, job in enumerate(batch):
-        error = _job_error(job, status, known)
-        if error is not None:
-            failed.append((index, error))
-            continue
-        ok.append(job)
-        for it in job.interactions:
-            known[it.id] = it.session_id
+    failed, ok = _checked(batch, status, known)
     created = [row for job in ok for row in job.sessions]
     if created:
         conn.executemany(_INSERT_SESSION[0], _values(created, _INSERT_SESSION[1]))
