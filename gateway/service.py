@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -158,7 +157,7 @@ class GenerationService:
         except store_errors.StoreError as exc:
             raise from_store_error(exc) from exc
 
-    def _refuse_surely_too_long(self, messages: Any, tools: Any) -> None:
+    def _refuse_surely_too_long(self, messages: Any, tools: Any) -> int:
         """Refuse, before rendering anything, input that cannot fit the context: no token decodes to more
         than the vocabulary's longest token string, so ``chars / longest`` is a lower bound on its tokens
         (a prompt of megabytes used to freeze the event loop while it was rendered and tokenized)."""
@@ -169,6 +168,7 @@ class GenerationService:
                 f"this model's maximum context length is {self.svc.context_length} tokens; the messages hold "
                 f"{chars} characters, at least {tokens_at_least} tokens. Shorten the conversation.",
                 param="messages")
+        return chars
 
     async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> TurnPlan:
         started = time.perf_counter()
@@ -177,7 +177,7 @@ class GenerationService:
         except ChatFormatError as exc:
             raise from_chat_error(exc) from exc
         messages: list[dict[str, Any]] = req.messages
-        self._refuse_surely_too_long(messages, req.tools)
+        chars = self._refuse_surely_too_long(messages, req.tools)
         hashes = chain_hashes(messages)
         candidates = [(k, hashes[k - 1]) for k in range(len(messages) - 1, 0, -1)
                       if messages[k - 1].get("role") == "assistant"]
@@ -198,7 +198,7 @@ class GenerationService:
             raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
                            code="session_not_active")
         match = await self._find_parent(session.id, candidates) if session is not None and candidates else None
-        plan = await self._stitch(req, messages, match, candidates)
+        plan = await self._stitch(req, messages, match, candidates, chars)
         plan.session = session
         plan.implicit = implicit
         plan.request_hash = hashes[-1]
@@ -209,7 +209,7 @@ class GenerationService:
         return plan
 
     async def _stitch(self, req: ChatCompletionRequest, messages: list[dict[str, Any]], match: Any,
-                      candidates: list[tuple[int, str]]) -> TurnPlan:
+                      candidates: list[tuple[int, str]], chars: int) -> TurnPlan:
         template, metrics = self.svc.template, self.svc.metrics
         tools = req.tools or None
         params = self._params_json(req)
@@ -223,7 +223,7 @@ class GenerationService:
             else:
                 try:
                     cont = await _off_loop(template.continuation, history, new, tools, parent.output_ids,
-                                           parent.finish_reason)
+                                           parent.finish_reason, chars=chars)
                 except TemplateDriftError as exc:
                     reason = "template_drift"
                     metrics.drift.labels(exc.reason).inc()
@@ -234,7 +234,7 @@ class GenerationService:
                     raise from_store_error(exc) from exc
                 if _sample_drift(len(history), self.svc.settings.drift_check_messages):
                     metrics.drift_checks.inc()
-                    if await _off_loop(template.drift, full, history, tools, new):
+                    if await _off_loop(template.drift, full, history, tools, new, chars=chars):
                         metrics.drift.labels("rerender_differs").inc()
                 request = {"messages": new, "tools": tools, "tool_choice": req.tool_choice,
                            "prefix_len": match.prefix_len, "params": params}
@@ -243,7 +243,7 @@ class GenerationService:
             root_reason = reason
         else:
             root_reason = "first_turn" if not candidates else "no_prefix_match"
-        prompt = await _off_loop(template.render, messages, tools)
+        prompt = await _off_loop(template.render, messages, tools, chars=chars)
         request = {"messages": messages, "tools": tools, "tool_choice": req.tool_choice, "prefix_len": 0,
                    "params": params}
         return TurnPlan(None, None, prompt, prompt, 0, root_reason, request, "")
@@ -539,10 +539,35 @@ class GenerationService:
 # tokenizer releases the GIL, and one thread keeps its Rust state from being borrowed twice).
 _TOKENIZE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-tokenize")
 _LONGEST: dict[int, int] = {}
+# A conversation of at most this many characters (its messages' and tools' text) is rendered on the event
+# loop itself, when the tokenize thread is idle (so the tokenizer is never used from two threads at once):
+# for a short conversation the hop to the thread and back costs more than the rendering.
+INLINE_RENDER_CHARS = 8_000
+_tokenize_jobs = 0  # jobs handed to the tokenize thread and not finished there yet
 
 
-async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, functools.partial(fn, *args))
+async def _off_loop(fn: Callable[..., T], *args: Any, chars: int | None = None) -> T:
+    global _tokenize_jobs
+    if chars is not None and chars <= INLINE_RENDER_CHARS and not _tokenize_jobs:
+        return fn(*args)
+    loop = asyncio.get_running_loop()
+    _tokenize_jobs += 1
+    job = _TOKENIZE.submit(fn, *args)
+    # counted until the thread is done with it, even if the awaiting turn went away meanwhile
+    job.add_done_callback(lambda _: _call_soon(loop, _tokenize_job_done))
+    return await asyncio.wrap_future(job)
+
+
+def _tokenize_job_done() -> None:
+    global _tokenize_jobs
+    _tokenize_jobs -= 1
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the loop is closed (shutdown): nothing is rendered inline any more
+        pass
 
 
 def _sample_drift(history_messages: int, every_below: int) -> bool:
