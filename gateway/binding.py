@@ -194,6 +194,14 @@ class ImplicitIndex:
                 return self._local[h]
         return None
 
+    def redis_entries(self, entries: Sequence[tuple[str, str]]) -> list[tuple[str, str, int]]:
+        """``(chain_hash, session_id)`` entries as the Redis ``(key, value, ttl)`` sets that :meth:`add`
+        makes, for the store to publish with the turns' own index after their commit
+        (``Store.record_interactions(publish=)``, one round trip); empty without Redis."""
+        if self.store.redis is None:
+            return []
+        return [(self._key(h), sid, self.ttl_s) for h, sid in entries]
+
     async def add(self, entries: Sequence[tuple[str, str]]) -> None:
         """Remember ``(chain_hash, session_id)`` of recorded implicit turns."""
         redis = self.store.redis

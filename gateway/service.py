@@ -344,13 +344,18 @@ class GenerationService:
                     timings={**plan.timings, "engine_ms": round(run.engine_s * 1000.0, 3),
                              "segments": float(res.segments)},
                 ))
-            await store.record_interactions(rows, create=created)
+            # implicit episodes: with Redis the index entries are set with the turns' own after the commit
+            index = [(row.chain_hash, row.session_id) for row in rows] if plan.implicit else []
+            published = self.svc.implicit.redis_entries(index)
+            await store.record_interactions(rows, create=created, publish=published)
             plan.handed += len(created)
         except store_errors.StoreError as exc:
             raise from_store_error(exc) from exc
-        if plan.implicit:  # committed: from here on nothing may turn the answer into an error (a retry
-            try:           # would record a duplicate sibling); a turn missing from the index starts a root
-                await self.svc.implicit.add([(row.chain_hash, row.session_id) for row in rows])
+        # Committed: from here on nothing may turn the answer into an error (a retry would record a
+        # duplicate sibling); a turn missing from the implicit-episode index starts a root.
+        if index and not published:  # without Redis: the index is this process's map
+            try:
+                await self.svc.implicit.add(index)
             except GatewayError as exc:
                 log.warning("implicit-episode index not updated after commit (%s); a follow-up of these "
                             "turns will start a new episode", exc.message)

@@ -758,11 +758,15 @@ class Store:
         return NewSession(row=row, api_key=api_key)
 
     async def record_interactions(self, interactions: Sequence[Interaction], *,
-                                  create: Sequence[NewSession] = ()) -> None:
+                                  create: Sequence[NewSession] = (),
+                                  publish: Sequence[tuple[str, str, int]] = ()) -> None:
         """Durably record turns; returns only after they are committed.
 
         ``create``: sessions (from :meth:`new_session`) inserted in the same transaction as the turns,
-        before them (a new implicit episode and its first turn: one commit, all or nothing).
+        before them (a new implicit episode and its first turn: one commit, all or nothing); they are
+        cached (Redis included) with the turns. ``publish``: Redis ``(key, value, ttl)`` entries set in the
+        same round trip as the turns' index after the commit (the gateway's implicit-episode index;
+        ignored without Redis).
 
         Group commit: rows of concurrent callers are written in one transaction by a background writer;
         each caller awaits its own outcome. All rows of one call commit together or not at all; a
@@ -776,13 +780,17 @@ class Store:
         for it in interactions:
             check_interaction(it)
         rows = [interaction_to_row(it) for it in interactions]
-        await self._writer.submit(list(interactions), rows, [new.row for new in create])
-        if create:
-            await self._cache_new_sessions([(new.row, new.api_key) for new in create])
+        await self._writer.submit(list(interactions), rows, [new.row for new in create], publish)
 
-    async def _after_commit(self, committed: list[tuple[Interaction, dict[str, Any]]]) -> None:
-        """Cache the new turns' full sequences (when the parent's is at hand) and publish their chain
-        hashes to Redis, before their callers are answered."""
+    async def _after_commit(self, jobs: list[Any]) -> None:
+        """Cache the new turns' full sequences (when the parent's is at hand) and the sessions created with
+        them, and publish all that (and the jobs' ``publish`` entries) to Redis in one round trip, before
+        their callers are answered."""
+        committed = [pair for job in jobs for pair in zip(job.interactions, job.rows)]
+        created = [row for job in jobs for row in job.sessions]
+        if self._local:
+            for row in created:
+                self._remember(self._sessions, row["id"], session_from_row(row))
         sequences: list[tuple[str, bytes]] = []
         for it, row in committed:
             self._turns.put(it)
@@ -796,7 +804,9 @@ class Store:
             sequences.append((it.id, packed))
         if self._redis is not None:
             chain = [(it.session_id, it.chain_hash, it.id) for it, _ in committed]
-            await self._redis.publish_turns(chain, sequences)
+            await self._redis.publish_turns(chain, sequences,
+                                            sessions=[(row["key_hash"], session_from_row(row)) for row in created],
+                                            extra=[entry for job in jobs for entry in job.publish])
 
     async def get_interaction(self, *, interaction_id: str) -> Interaction:
         """One turn. NotFound if unknown."""

@@ -71,6 +71,7 @@ class RedisState:
         client = aioredis.Redis.from_pool(pool)
         try:
             await client.ping()
+            await client.script_load(_PUT_IF_NEWER)  # publish_turns calls it by its sha in a pipeline
         except RedisError as exc:
             await client.aclose()
             raise StoreUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
@@ -138,10 +139,12 @@ class RedisState:
                 await self._drop(f"{self.prefix}chain:{session_id}")
 
     async def publish_turns(
-        self, chain_entries: Sequence[tuple[str, str, str]], sequences: Sequence[tuple[str, bytes]]
+        self, chain_entries: Sequence[tuple[str, str, str]], sequences: Sequence[tuple[str, bytes]], *,
+        sessions: Sequence[tuple[str, SessionRecord]] = (), extra: Sequence[tuple[str, str, int]] = (),
     ) -> None:
         """After a commit, in one round trip: index the new turns' chain hashes (overwriting: the most
-        recent turn wins) and cache their full sequences."""
+        recent turn wins), cache their full sequences, cache the sessions created with them (``(key hash,
+        record)``, through the version-guarded script) and set ``extra`` ``(key, value, ttl)`` entries."""
         by_session: dict[str, dict[str, str]] = {}
         for session_id, chain_hash, interaction_id in chain_entries:
             by_session.setdefault(session_id, {})[chain_hash] = interaction_id
@@ -153,9 +156,30 @@ class RedisState:
                 pipe.expire(key, CHAIN_TTL_S)
             for interaction_id, packed in sequences:
                 pipe.set(f"{self.prefix}seq:{interaction_id}", packed, ex=SEQ_TTL_S)
-            await pipe.execute()
+            first_session = len(pipe)
+            for key_hash, record in sessions:  # EVALSHA: the script is loaded at connect (else NOSCRIPT below)
+                pipe.evalsha(self._put_if_newer.sha, 1, f"{self.prefix}skey:{key_hash}", record.version,
+                             _session_json(record), SESSION_TTL_S)
+            for key, value, ttl in extra:
+                pipe.set(key, value, ex=ttl)
+            results = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
             self._failed("turn publish", exc)
+            for session_id in by_session:
+                await self._drop(f"{self.prefix}chain:{session_id}")
+            for key_hash, _ in sessions:
+                await self._drop(f"{self.prefix}skey:{key_hash}")
+            return
+        failed = [r for r in results if isinstance(r, Exception)]
+        if not failed:
+            return
+        for (key_hash, record), result in zip(sessions, results[first_session:]):
+            if isinstance(result, Exception):  # NOSCRIPT (Redis restarted): the script call loads it
+                await self.put_session(key_hash, record)
+        others = [r for i, r in enumerate(results) if isinstance(r, Exception)
+                  and not first_session <= i < first_session + len(sessions)]
+        if others:
+            self._failed("turn publish", others[0])
             for session_id in by_session:
                 await self._drop(f"{self.prefix}chain:{session_id}")
 

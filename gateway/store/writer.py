@@ -62,6 +62,7 @@ class _Job:
     rows: list[dict[str, Any]]
     future: asyncio.Future[None]
     sessions: list[dict[str, Any]]  # session rows created with these turns (new implicit episodes)
+    publish: Sequence[tuple[str, str, int]] = ()  # Redis (key, value, ttl) to set with the turns after commit
 
 
 class GroupCommitWriter:
@@ -74,7 +75,7 @@ class GroupCommitWriter:
         lock_rows: bool,
         max_batch_rows: int,
         delay_s: float,
-        after_commit: Callable[[list[tuple[Interaction, dict[str, Any]]]], Awaitable[None]],
+        after_commit: Callable[[list[_Job]], Awaitable[None]],
         direct: SqliteBatchWriter | PostgresBatchWriter | None = None,
     ) -> None:
         self._transaction = transaction
@@ -90,15 +91,17 @@ class GroupCommitWriter:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="store-group-commit")
 
     async def submit(self, interactions: Sequence[Interaction], rows: list[dict[str, Any]],
-                     sessions: Sequence[dict[str, Any]] = ()) -> None:
+                     sessions: Sequence[dict[str, Any]] = (), publish: Sequence[tuple[str, str, int]] = ()
+                     ) -> None:
         """Queue one job; return when it is committed (or raise its StoreError). ``sessions``: rows of
-        sessions to create in the same transaction, before the turns (all or nothing with them)."""
+        sessions to create in the same transaction, before the turns (all or nothing with them);
+        ``publish``: what the after-commit hook also sets in Redis for this job."""
         if self._closing:
             raise StoreUnavailable("the store is closed")
         if self._task.done():
             raise StoreUnavailable("the store's commit writer has stopped; restart the process")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(interactions, rows, future, list(sessions)))
+        self._queue.append(_Job(interactions, rows, future, list(sessions), publish))
         self._wake.set()
         # shield: a caller that goes away (client disconnect) does not cancel a write already queued
         await asyncio.shield(future)
@@ -166,7 +169,7 @@ class GroupCommitWriter:
             return
         if committed:
             try:
-                await self._after_commit([pair for job in committed for pair in zip(job.interactions, job.rows)])
+                await self._after_commit(committed)
             except Exception:  # caches only; the rows are durable, so the callers still succeed
                 log.exception("group commit: after-commit hook failed")
         for job in committed:

@@ -145,6 +145,49 @@ async def test_hot_path_needs_no_sql_with_redis(pg_url: str, redis_prefix: str) 
         await store.close()
 
 
+async def test_sessions_created_with_turns_and_published_entries_reach_redis_with_the_turns(
+        pg_url: str, redis_prefix: str) -> None:
+    """A session created with its first turn (an implicit episode) and the caller's ``publish`` entries go to
+    Redis in the after-commit pipeline of the turns: another replica finds the session by key without SQL.
+    After Redis lost its scripts (a restart), the version-guarded session write still lands."""
+    from sqlalchemy import event
+
+    one = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    two = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        for k in range(2):
+            if k == 1:
+                await client.script_flush()  # as after a Redis restart: EVALSHA answers NOSCRIPT
+            new = one.new_session(metadata={"implicit": True})
+            extra = f"{redis_prefix}test:published:{k}"
+            await one.record_interactions([make_turn(f"p{k}", new.id, None, prompt=[1], output=[2])],
+                                          create=[new], publish=[(extra, new.id, 60)])
+            assert (await client.get(extra)) == new.id.encode()
+            assert await client.ttl(extra) > 0
+            statements: list[str] = []
+            listener = lambda _c, _cur, sql, *_a: statements.append(sql)  # noqa: E731
+            event.listen(two.engine.sync_engine, "before_cursor_execute", listener)
+            try:
+                found = await two.get_session_by_key(api_key=new.api_key)
+            finally:
+                event.remove(two.engine.sync_engine, "before_cursor_execute", listener)
+            assert (found.id, found.status, found.metadata) == (new.id, "active", {"implicit": True})
+            assert statements == [], k
+        # a newer version cached first is never overwritten by the creation's (version 0) copy
+        newer = one.new_session()
+        row = dict(newer.row, version=5, status="finished")
+        from gateway.store.rows import session_from_row
+
+        await one._redis.put_session(newer.row["key_hash"], session_from_row(row))  # type: ignore[union-attr]
+        await one.record_interactions([make_turn("p9", newer.id, None, prompt=[1], output=[2])], create=[newer])
+        assert (await two.get_session_by_key(api_key=newer.api_key)).status == "finished"
+    finally:
+        await client.aclose()
+        await one.close()
+        await two.close()
+
+
 @pytest.mark.services
 async def test_redis_outage_falls_back_to_sql(pg_url: str, redis_prefix: str) -> None:
     """With Redis gone mid-run, every call still answers from SQL; the failures are counted."""
