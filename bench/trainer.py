@@ -116,6 +116,7 @@ def sync(device: torch.device) -> None:
 
 
 def free(device: torch.device) -> None:
+    torch._dynamo.reset()  # compiled graphs of the previous variant's model would keep its tensors alive
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -183,14 +184,14 @@ def run_naive(path: Path, rows: list, args: argparse.Namespace, device: torch.de
 
 
 def run_ours(path: Path, rows: list, args: argparse.Namespace, info, *, packing: bool, compile: bool, steps: int,
-             profile: Path | None = None, whole_layers: bool = False) -> dict[str, Any]:
+             profile: Path | None = None, whole_layers: bool | None = None, fsdp: bool | None = None) -> dict[str, Any]:
     from trainer.config import TrainerSettings
     from trainer.model import build_optimizer, compile_body, load_model
     from trainer.step import train_step
 
-    model = load_model(path, dtype=args.dtype, device=info.device, compile=compile and not whole_layers)
-    if compile and whole_layers:
-        compile_body(model, whole_layers=True)
+    model = load_model(path, dtype=args.dtype, device=info.device, compile=compile and whole_layers is None, fsdp=fsdp)
+    if compile and whole_layers is not None:
+        compile_body(model, whole_layers=whole_layers)
     settings = TrainerSettings(engine_urls=["unused"], micro_batch_tokens=args.micro_batch_tokens, lr=args.lr,
                                packing=packing, compile=compile)
     opt = build_optimizer(model, settings, info.device)
@@ -213,6 +214,18 @@ def run_ours(path: Path, rows: list, args: argparse.Namespace, info, *, packing:
             profile.write_text(table)
             short = prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50)
             print(f"--- profile: {profile.name} ---\n{short}", flush=True)
+            if info.device.type == "cuda":
+                trace = profile.with_suffix(".trace.json")
+                prof.export_chrome_trace(str(trace))
+                gaps = timeline(json.loads(trace.read_text()))
+                profile.with_suffix(".gaps.txt").write_text(gaps)
+                print(gaps, flush=True)
+                import gzip
+                import shutil
+
+                with trace.open("rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+                trace.unlink()
         if prof is not None:
             break
         results.append({"step_s": m["perf/step_s"], "loss": m["actor/loss"], "grad_norm": m["actor/grad_norm"],
@@ -220,6 +233,76 @@ def run_ours(path: Path, rows: list, args: argparse.Namespace, info, *, packing:
     out = summarise(results, rows, info.device)
     del model, opt
     return out
+
+
+def timeline(trace: dict[str, Any]) -> str:
+    """Where one profiled step's wall time goes: GPU busy vs idle, and what the CPU did while the GPU idled.
+
+    From a chrome trace of ``torch.profiler``: the union of kernel/memcpy/memset intervals is the GPU's busy
+    time; each idle interval (the GPU waiting for the CPU to launch work, or for a synchronisation) is
+    charged to the ``agentrl.*`` phase of ``trainer.step`` running on the CPU at that moment and to the
+    innermost CPU operator then running."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    phases = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("agentrl.")]
+    ops = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function")]
+    if not gpu or not phases:
+        return "timeline: no GPU events or no agentrl.* phases in the trace\n"
+    start = min(float(e["ts"]) for e in phases)
+    end = max(max(float(e["ts"]) + float(e["dur"]) for e in phases), gpu[-1][1])
+    busy, idle, cursor = 0.0, [], start
+    for a, b in gpu:
+        a, b = max(a, start), min(b, end)
+        if b <= cursor:
+            continue
+        if a > cursor:
+            idle.append((cursor, a))
+        busy += b - max(a, cursor)
+        cursor = b
+    if cursor < end:
+        idle.append((cursor, end))
+
+    def inside(t: float, evs: list) -> list:
+        return [e for e in evs if float(e["ts"]) <= t < float(e["ts"]) + float(e["dur"])]
+
+    by_phase: dict[str, float] = {}
+    by_op: dict[str, float] = {}
+    for a, b in idle:
+        mid = (a + b) / 2
+        ph = inside(mid, phases)
+        name = min(ph, key=lambda e: e["dur"])["name"] if ph else "(outside the phases)"
+        by_phase[name] = by_phase.get(name, 0.0) + (b - a)
+        op = inside(mid, ops)
+        oname = str(min(op, key=lambda e: e["dur"])["name"])[:70] if op else "(no CPU op)"
+        by_op[oname] = by_op.get(oname, 0.0) + (b - a)
+    total = end - start
+    lines = [f"step window {total / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, idle {(total - busy) / 1e3:.2f} ms "
+             f"in {len(idle)} gaps ({sum(1 for a, b in idle if b - a > 100)} over 0.1 ms)", "",
+             "| phase (CPU, during GPU idle) | idle ms |", "|---|---|"]
+    lines += [f"| {k} | {v / 1e3:.2f} |" for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])]
+    lines += ["", "| innermost CPU op during GPU idle | idle ms |", "|---|---|"]
+    lines += [f"| {k} | {v / 1e3:.2f} |" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:20]]
+    gpu_phase: dict[str, float] = {}
+    for e in phases:  # GPU time of the kernels launched while each phase ran on the CPU (by correlation id)
+        gpu_phase.setdefault(e["name"], 0.0)
+    corr = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            corr[e["args"]["correlation"]] = float(e["ts"])
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            t = corr.get(e.get("args", {}).get("correlation"))
+            ph = inside(t, phases) if t is not None else []
+            if ph:
+                n = min(ph, key=lambda x: x["dur"])["name"]
+                gpu_phase[n] = gpu_phase.get(n, 0.0) + float(e["dur"])
+    lines += ["", "| phase | GPU ms (kernels it launched) | CPU wall ms |", "|---|---|---|"]
+    wall: dict[str, float] = {}
+    for e in phases:
+        wall[e["name"]] = wall.get(e["name"], 0.0) + float(e["dur"])
+    lines += [f"| {k} | {gpu_phase.get(k, 0.0) / 1e3:.2f} | {wall[k] / 1e3:.2f} |" for k in wall]
+    return "\n".join(lines) + "\n"
 
 
 def summarise(steps: list[dict[str, float]], rows: list, device: torch.device) -> dict[str, Any]:
@@ -241,7 +324,7 @@ def render(meta: dict[str, Any], results: dict[str, dict[str, Any]], checks: lis
              "| batch | variant | tokens | step s (median) | tokens/s | x naive | peak GiB | MFU | loss (step 1) | grad norm (step 1) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for batch, variants in results.items():
-        naive = variants.get("naive", {}).get("tokens_per_s", float("nan"))
+        naive = variants["naive"]["tokens_per_s"] if isinstance(variants.get("naive"), dict) else float("nan")
         for name, r in variants.items():
             if not isinstance(r, dict) or "step_s" not in r:
                 lines.append(f"| {batch} | {name} | {r} | | | | | | | |")
@@ -268,10 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=None, help="default 16384 (cuda) / 512 (cpu)")
     p.add_argument("--steps", type=int, default=4, help="steps per variant; the first is compared, the rest timed")
     p.add_argument("--lr", type=float, default=1e-6)
-    p.add_argument("--variants", default="naive,unpacked,ours", help="comma-separated: naive, unpacked, ours, ours-eager (packed, no compile), ours-layers (packed, whole decoder layers compiled; one rank)")
+    p.add_argument("--variants", default="naive,unpacked,ours", help="comma-separated: naive, unpacked, ours, ours-eager (packed, no compile), ours-layers (packed, whole decoder layers compiled: the default on one rank), ours-blocks (packed, each layer's attention, MLP and norms compiled: the default with FSDP2), ours-fsdp (ours with FSDP2 wrapping on one rank: the earlier one-GPU path)")
     p.add_argument("--batches", default="uniform,agent")
     p.add_argument("--no-compile", action="store_true", help="ours without torch.compile")
-    p.add_argument("--profile", action="store_true", help="torch.profiler over one step of unpacked and ours (uniform)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler over one step of --profile-variants (uniform batch): operator table, chrome trace, GPU idle time by phase")
+    p.add_argument("--profile-variants", default="unpacked,ours")
     p.add_argument("--out", default=os.environ.get("OUT") or None)
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
@@ -314,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in variants:
             free(info.device)
             t0 = time.perf_counter()
-            prof = (out / f"profile_{v}_{bname}.txt") if (args.profile and out and bname == "uniform" and v != "naive") else None
+            prof = (out / f"profile_{v}_{bname}.txt") if (args.profile and out and bname == "uniform"
+                                                          and v in args.profile_variants.split(",")) else None
             try:
                 if v == "naive":
                     r = run_naive(path, rows, args, info.device)
@@ -323,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                                  profile=prof)
                 else:
                     r = run_ours(path, rows, args, info, packing=True,
-                                 compile=cuda and not args.no_compile and v in ("ours", "ours-layers"),
-                                 whole_layers=v == "ours-layers", steps=args.steps, profile=prof)
+                                 compile=cuda and not args.no_compile and v in ("ours", "ours-layers", "ours-blocks", "ours-fsdp"),
+                                 whole_layers={"ours-layers": True, "ours-blocks": False, "ours-fsdp": False}.get(v), steps=args.steps, profile=prof,
+                                 fsdp=True if v == "ours-fsdp" else None)
                 r["flops"] = flops
             except Exception as exc:  # noqa: BLE001 - record and go on with the other variants
                 import traceback
@@ -336,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                   f" ({time.perf_counter() - t0:.1f}s)", flush=True)
         results[bname] = res
         b, n = res.get("unpacked"), res.get("naive")
-        for name in ("ours", "ours-layers"):
+        for name in ("ours", "ours-layers", "ours-blocks", "ours-fsdp"):
             a = res.get(name)
             if isinstance(a, dict) and isinstance(b, dict):
                 for key, (atol, rtol) in tol.items():

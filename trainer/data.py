@@ -234,6 +234,8 @@ class MicroBatch:
     rows: list[int]  # indices into the batch
     prox: torch.Tensor | None = None  # (B, T-1) logprobs recomputed with the weights at the start of the step
     temperature: torch.Tensor | None = None  # (B, T-1) float32 sampling temperature of token t+1 (1 elsewhere)
+    real_tokens: int = 0  # tokens that are not padding (counted on the CPU, so reading it never waits for a GPU)
+    packed: Any = None  # trainer.packing.Packed of this micro-batch, made on the CPU (packing path)
 
     @property
     def num_tokens(self) -> int:
@@ -243,7 +245,8 @@ class MicroBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(move(self.input_ids), move(self.attention_mask), move(self.loss_mask),
                           move(self.behaviour), move(self.versions), move(self.advantages), self.rows, move(self.prox),
-                          move(self.temperature))
+                          move(self.temperature), self.real_tokens,
+                          None if self.packed is None else self.packed.to(device))
 
 
 def collate(rows: Sequence[Row], index: Sequence[int], advantages: torch.Tensor) -> MicroBatch:
@@ -274,6 +277,7 @@ def collate(rows: Sequence[Row], index: Sequence[int], advantages: torch.Tensor)
         advantages=advantages[list(index)].to(torch.float32),
         rows=list(index),
         temperature=temperature[:, 1:].contiguous(),
+        real_tokens=sum(rows[i].num_tokens for i in index),
     )
 
 
@@ -282,5 +286,5 @@ def dummy_micro_batch() -> MicroBatch:
     return MicroBatch(
         input_ids=torch.zeros(1, 2, dtype=torch.int64), attention_mask=torch.ones(1, 2, dtype=torch.int64),
         loss_mask=torch.zeros(1, 1), behaviour=torch.zeros(1, 1), versions=torch.full((1, 1), -1, dtype=torch.int32),
-        advantages=torch.zeros(1), rows=[],
+        advantages=torch.zeros(1), rows=[], real_tokens=0,
     )

@@ -1,10 +1,11 @@
 """The trained model: process group, FSDP2 sharding, token logprobs, and full weights for pushes/checkpoints.
 
 Under ``torchrun`` every rank joins the default process group (NCCL on GPUs with gloo for CPU-side
-objects, gloo on CPUs); a plain ``python -m trainer`` / ``agentrl train`` joins a one-process group, so the
-sharded code path is the only one. Each decoder layer is one FSDP2 unit (``fully_shard``) and the root
-(embeddings, final norm, tied LM head) another; with one rank the root is the only unit (nothing to shard,
-fewer hooks per step).
+objects, gloo on CPUs); a plain ``python -m trainer`` / ``agentrl train`` joins a one-process group. With
+several ranks each decoder layer is one FSDP2 unit (``fully_shard``) and the root (embeddings, final norm,
+tied LM head) another. With one rank there is nothing to shard: the model is not wrapped (no gather, cast
+or reduce hooks per step) and, for bfloat16 compute, keeps bfloat16 compute weights beside its float32
+parameters between steps (:mod:`trainer.shadow`); ``fsdp=True`` forces the FSDP2 wrapping on one rank.
 """
 
 from __future__ import annotations
@@ -59,12 +60,15 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device | None = None,
-               compile: bool = False) -> torch.nn.Module:
-    """Load a Hugging Face causal LM and shard it with FSDP2 over the default process group.
+               compile: bool = False, fsdp: bool | None = None) -> torch.nn.Module:
+    """Load a Hugging Face causal LM and shard it with FSDP2 over the default process group (several ranks).
 
-    Parameters (and optimizer state) stay float32; ``dtype="bfloat16"`` computes in bfloat16 through FSDP2's
-    mixed-precision policy (gradients reduced in float32), which is the usual setting on GPUs. ``compile``:
-    :func:`compile_body`. The model gets the packed logprob method of :mod:`trainer.packing`.
+    Parameters (and optimizer state) stay float32; ``dtype="bfloat16"`` computes in bfloat16 (the usual
+    setting on GPUs): through FSDP2's mixed-precision policy with several ranks (gradients reduced in
+    float32), through :mod:`trainer.shadow` compute weights with one (gradients accumulated in float32).
+    ``fsdp``: None = FSDP2 only with several ranks; True = also with one (the earlier one-GPU path, kept
+    for comparison). ``compile``: :func:`compile_body`. The model gets the packed logprob method of
+    :mod:`trainer.packing`.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -79,26 +83,43 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device
         model = model.to(device)
     model.config.use_cache = False
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = shard(model, compute_dtype=compute)
+    several = dist.get_world_size() > 1 if dist.is_initialized() else False
+    if several or fsdp:
+        model = shard(model, compute_dtype=compute)
+    elif compute != torch.float32:
+        from trainer import shadow
+
+        shadow.attach(model, compute)
     if compile:
         compile_body(model)
     return install(model)
 
 
-def compile_body(model: torch.nn.Module, *, whole_layers: bool = False) -> None:
-    """``torch.compile`` each decoder layer's attention block, MLP and norms, with dynamic shapes.
+def compile_body(model: torch.nn.Module, *, whole_layers: bool | None = None) -> None:
+    """``torch.compile`` the decoder layers, with dynamic shapes (a new micro-batch shape does not recompile).
 
-    The FSDP2 units (whole layers) keep their hooks eager; only their children are compiled, so a new
-    micro-batch shape does not recompile (dynamic=True) and FSDP's all-gathers stay outside the graphs.
-    ``whole_layers`` (one rank only, where the layers are no FSDP units): each decoder layer is compiled as
-    one graph (residual adds, rotary embedding and attention glue fused too; ``bench/trainer.py`` variant
-    ``ours-layers``).
+    ``whole_layers`` (default: when the layers are no FSDP2 units, i.e. one rank): each decoder layer is one
+    graph (residual adds, rotary embedding and attention glue fused too: a quarter of the compiled calls per
+    layer, which is what a launch-bound step on one GPU pays for), compiled with Inductor's
+    ``emulate_precision_casts`` so that fused bf16 ops round where eager ones do (without it the step's
+    loss moved by more than the bf16 tolerance against the eager reference on the H200). Otherwise (FSDP2
+    units, several ranks): each layer's attention block, MLP and norms, so that the units' hooks and
+    all-gathers stay eager and outside the graphs.
     """
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer import packing
+
+    if next(model.parameters()).is_cuda:
+        setattr(model, packing.COMPILED_HEAD, True)  # the LM head's softmax math as fused kernels
+    units = any(isinstance(layer, FSDPModule) for layer in model.model.layers)
+    if whole_layers is None:
+        whole_layers = not units
     if whole_layers:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError("whole-layer compile is for one rank: the layers of several ranks are FSDP units")
+        if units:
+            raise ValueError("whole-layer compile needs layers that are no FSDP2 units (one rank)")
         for layer in model.model.layers:
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, options={"emulate_precision_casts": True})
         model.model.norm.compile(dynamic=True)
         return
     for layer in model.model.layers:
@@ -145,7 +166,8 @@ def token_logprobs(
 
 
 def build_optimizer(model: torch.nn.Module, settings, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the (sharded, float32) parameters; the fused kernel on GPUs (one launch per step)."""
+    """AdamW over the (sharded, float32) parameters; the fused kernel on GPUs (one launch per step, which
+    also applies the gradient clipping of ``trainer.step``: no separate pass over the gradients)."""
     return torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
                              fused=device.type == "cuda")
 

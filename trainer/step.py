@@ -16,14 +16,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from agentrl.trajectory import Row
 from trainer import core_algos
 from trainer.config import TrainerSettings, check_row_fits
 from trainer.data import (MicroBatch, collate, dummy_micro_batch, index_of, pack_micro_batches, row_rewards,
                           shard_rows, split_by_group)
+from trainer import shadow
 from trainer.model import DistInfo, token_logprobs
-from trainer.packing import packed_logprobs
+from trainer.packing import pack, packed_logprobs
 
 _SUM_KEYS = ("tokens", "clipped", "capped", "is_weight_sum", "ratio_sum", "entropy_sum", "gap_sum",
              "gap_same_sum", "same_tokens", "loss", "input_tokens")
@@ -45,7 +47,9 @@ def advantages_for(rows: Sequence[Row], settings: TrainerSettings) -> tuple[torc
 
 def plan_micro_batches(rows: Sequence[Row], index: Sequence[int], adv: torch.Tensor, settings: TrainerSettings,
                        info: DistInfo) -> list[MicroBatch]:
-    """This rank's micro-batches for the rows ``index``, padded with dummies to the most any rank has."""
+    """This rank's micro-batches for the rows ``index``, padded with dummies to the most any rank has.
+
+    Everything is laid out on the CPU (the packed layout too), then moved: the GPU never waits for it."""
     lengths = [rows[i].num_tokens for i in index]
     mine = [index[j] for j in shard_rows(lengths, info.world_size)[info.rank]]
     packs = pack_micro_batches([rows[i].num_tokens for i in mine], settings.micro_batch_tokens)
@@ -54,6 +58,9 @@ def plan_micro_batches(rows: Sequence[Row], index: Sequence[int], adv: torch.Ten
     if info.world_size > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
     micro += [dummy_micro_batch() for _ in range(int(count) - len(micro))]
+    if settings.packing:
+        for m in micro:
+            m.packed = pack(m.input_ids, m.attention_mask, m.loss_mask)
     return [m.to(info.device) for m in micro]
 
 
@@ -64,10 +71,12 @@ def micro_logprobs(model: torch.nn.Module, m: MicroBatch, *, packing: bool = Tru
     Both give the same numbers where the loss mask is 1 (the packed path leaves 0 elsewhere).
     """
     temperature = m.temperature  # each token's sampling temperature: the distribution behaviour came from
-    if packing:
-        return packed_logprobs(model, m.input_ids, m.attention_mask, m.loss_mask, with_entropy=with_entropy,
-                               temperature=1.0 if temperature is None else temperature)
-    return token_logprobs(model, m.input_ids, m.attention_mask, with_entropy=with_entropy, temperature=temperature)
+    with shadow.compute_weights(model):  # one rank, bf16: the compute copy of the weights (trainer.shadow)
+        if packing:
+            return packed_logprobs(model, m.input_ids, m.attention_mask, m.loss_mask, with_entropy=with_entropy,
+                                   temperature=1.0 if temperature is None else temperature, packed=m.packed)
+        return token_logprobs(model, m.input_ids, m.attention_mask, with_entropy=with_entropy,
+                              temperature=temperature)
 
 
 @torch.no_grad()
@@ -83,14 +92,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: S
     start = time.perf_counter()
     for row in rows:
         check_row_fits(row.num_tokens, settings, row.row_id)
-    adv, metrics = advantages_for(rows, settings)
-    minis = split_by_group(rows, settings.mini_batches)
-    plans = [plan_micro_batches(rows, idx, adv, settings, info) for idx in minis]
+    with record_function("agentrl.plan"):
+        adv, metrics = advantages_for(rows, settings)
+        minis = split_by_group(rows, settings.mini_batches)
+        plans = [plan_micro_batches(rows, idx, adv, settings, info) for idx in minis]
     model.train()
     # The first mini-batch trains on the weights the proximal policy is defined by, so its proximal
     # logprobs are the (detached) logprobs of its own training forward: one forward pass fewer per step.
-    for micro in plans[1:]:
-        recompute_proximal(model, micro, settings.packing)
+    with record_function("agentrl.proximal"):
+        for micro in plans[1:]:
+            recompute_proximal(model, micro, settings.packing)
 
     sums = {k: torch.zeros((), dtype=torch.float64, device=info.device) for k in _SUM_KEYS}
     maxes = {k: torch.zeros((), dtype=torch.float64, device=info.device) for k in _MAX_KEYS}
@@ -99,24 +110,33 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: S
         global_tokens = float(sum(float(rows[i].loss_mask[1:].sum()) for i in idx))
         optimizer.zero_grad(set_to_none=True)
         for m in micro:
-            logp, entropy = micro_logprobs(model, m, packing=settings.packing, with_entropy=True)
-            if k == 0:
-                m.prox = logp.detach()
-            loss, stats = core_algos.ppo_loss(
-                logp, m.prox, m.behaviour, core_algos.token_advantages(m.advantages, m.loss_mask), m.loss_mask,
-                clip_low=settings.clip_low, clip_high=settings.clip_high, is_cap=settings.is_cap_or_none,
-                agg_mode=settings.loss_agg_mode, global_tokens=global_tokens, global_seqs=float(len(idx)),
-            )
-            (loss * info.world_size).backward()
+            with record_function("agentrl.forward"):
+                logp, entropy = micro_logprobs(model, m, packing=settings.packing, with_entropy=True)
+                if k == 0:
+                    m.prox = logp.detach()
+                loss, stats = core_algos.ppo_loss(
+                    logp, m.prox, m.behaviour, core_algos.token_advantages(m.advantages, m.loss_mask), m.loss_mask,
+                    clip_low=settings.clip_low, clip_high=settings.clip_high, is_cap=settings.is_cap_or_none,
+                    agg_mode=settings.loss_agg_mode, global_tokens=global_tokens, global_seqs=float(len(idx)),
+                )
+            with record_function("agentrl.backward"):
+                (loss * info.world_size).backward()
+                shadow.collect_grads(model)  # one rank, bf16: the gradients onto the float32 masters
             _accumulate(sums, maxes, stats, m, entropy, loss, version)
-        grad_norms.append(_clip_and_step(model, optimizer, settings.max_grad_norm))
+        with record_function("agentrl.optimizer"):
+            grad_norms.append(_clip_and_step(model, optimizer, settings.max_grad_norm))
 
-    if info.world_size > 1:
-        for v in sums.values():
-            dist.all_reduce(v, op=dist.ReduceOp.SUM)
-        for v in maxes.values():
-            dist.all_reduce(v, op=dist.ReduceOp.MAX)
-    s = {k: float(v) for k, v in sums.items()} | {k: float(v) for k, v in maxes.items()}
+    with record_function("agentrl.metrics"):
+        if info.world_size > 1:
+            for v in sums.values():
+                dist.all_reduce(v, op=dist.ReduceOp.SUM)
+            for v in maxes.values():
+                dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        # one device-to-host copy for all of them (each float() would wait for the device once)
+        names = [*sums, *maxes]
+        values = torch.stack([*sums.values(), *maxes.values(), *grad_norms]).tolist()
+        s = dict(zip(names, values[:len(names)]))
+        grad_norms = values[len(names):]
     elapsed = time.perf_counter() - start
     tokens = max(s["tokens"], 1.0)
     metrics.update(core_algos.summarise_stats(s))
@@ -150,14 +170,35 @@ def _accumulate(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor], s
         sums["gap_same_sum"] += ((m.prox - m.behaviour).abs() * same).sum().double()
         sums["same_tokens"] += same.sum().double()
         sums["loss"] += loss.detach().double()
-        sums["input_tokens"] += float(m.attention_mask.sum()) if m.rows else 0.0
+        sums["input_tokens"] += float(m.real_tokens)
         maxes["is_weight_max"] = torch.maximum(maxes["is_weight_max"], stats["is_weight_max"].double())
         maxes["gap_max"] = torch.maximum(maxes["gap_max"], gap.max().double())
 
 
-def _clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+def _clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to ``max_norm`` (0: no clipping) and step; returns the norm before clipping (a
+    0-d tensor on the device: reading it waits for the device, so the caller reads all metrics at once).
+
+    A fused AdamW over plain tensors (one GPU) takes the clipping as its ``grad_scale`` (the gradients are
+    divided by it inside the update kernel, the hook ``torch.amp.GradScaler`` uses) instead of a separate
+    multiply over every gradient; otherwise ``clip_grad_norm_``. Then the compute copy of the weights, if
+    any, is brought up to the new master weights (``trainer.shadow``).
+    """
+    shadow.collect_grads(model)  # (a no-op after train_step's own backward passes)
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    optimizer.step()
-    return float(norm)
+    limit = max_norm if max_norm > 0 else float("inf")
+    fused = bool(optimizer.defaults.get("fused")) and not any(hasattr(p, "full_tensor") for p in params)
+    if fused and params:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]).to(torch.float32)
+        # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its inverse is the same
+        optimizer.grad_scale = torch.clamp((norm + 1e-6) / limit, min=1.0).reshape(1)
+        try:
+            optimizer.step()
+        finally:
+            optimizer.grad_scale = None
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        optimizer.step()
+    shadow.refresh(model)
+    return norm.detach().to(torch.float64).reshape(())

@@ -29,3 +29,8 @@ def synthetic_rows(n_groups: int = 3, group_size: int = 3, *, seed: int = 0, voc
                 row_id=f"r{g}-{s}-{seed}", task_id=None,
             ))
     return rows
+
+
+def full(t):
+    """The whole tensor: gathered from an FSDP2 shard (several ranks, or ``fsdp=True``) or as it is (one rank)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -12,7 +12,7 @@ import torch
 
 from agentrl.settings import load
 from agentrl.trajectory import encode_batch
-from tests.trainer.helpers import synthetic_rows
+from tests.trainer.helpers import full, synthetic_rows
 from trainer import checkpoint
 from trainer.config import TrainerSettings
 from trainer.loop import train
@@ -115,9 +115,9 @@ def test_checkpoint_round_trip_restores_optimizer(tmp_path, dist_info, tiny_mode
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     checkpoint.load_optimizer(path, model2, opt2)
     for (n1, p1), (n2, p2) in zip(model.named_parameters(), model2.named_parameters()):
-        assert n1 == n2 and torch.equal(p1.full_tensor(), p2.full_tensor())
+        assert n1 == n2 and torch.equal(full(p1), full(p2))
         s1, s2 = opt.state[p1], opt2.state[p2]
-        assert torch.equal(s1["exp_avg"].full_tensor(), s2["exp_avg"].full_tensor())
+        assert torch.equal(full(s1["exp_avg"]), full(s2["exp_avg"]))
     assert checkpoint.load_state(path) == state
 
 

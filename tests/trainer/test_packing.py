@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.helpers import synthetic_rows
+from tests.trainer.helpers import full, synthetic_rows
 from trainer.config import TrainerSettings
 from trainer.data import collate
 from trainer.model import load_model, token_logprobs
@@ -74,7 +74,7 @@ def test_packed_step_equals_unpacked_step(tiny_model_dir, dist_info):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         settings = TrainerSettings(engine_urls=["unused"], micro_batch_tokens=64, packing=packing)
         metrics = train_step(model, opt, rows, settings, dist_info, version=0)
-        weights = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        weights = {k: full(v).clone() for k, v in model.state_dict().items()}
         results.append((metrics, weights))
     (a, wa), (b, wb) = results
     for key in ("actor/loss", "actor/grad_norm", "actor/entropy", "batch/loss_tokens", "batch/tokens",

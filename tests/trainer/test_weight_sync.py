@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.trainer.conftest import engine_generate, engine_version, trainer_logprobs
-from tests.trainer.helpers import synthetic_rows
+from tests.trainer.helpers import full, synthetic_rows
 from trainer.config import TrainerSettings
 from trainer.model import load_model
 from trainer.step import train_step
@@ -149,7 +149,7 @@ def test_tensor_sync_speaks_sglangs_update_weights_from_tensor(model, dist_info)
         assert set(body) <= SGLANG_TENSOR_FIELDS and updated == [base]
         assert body["weight_version"] == "4" and body["load_format"] is None and body["flush_cache"] is False
         named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))  # ForkingPickler output
-        state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        state = {k: full(v) for k, v in model.state_dict().items()}
         assert [n for n, _ in named] == [n for n in state if n != "lm_head.weight"]
         assert all(torch.equal(t, state[n]) for n, t in named)
         route.mock(return_value=httpx.Response(400, json={"success": False, "message": "Failed: shape mismatch"}))
