@@ -8,15 +8,19 @@ Variants (each starts from the same random weights, saved once):
 - **ours, unpacked**: ``trainer.step.train_step`` with ``packing=False`` (padded rows, full logits) -- the
   step as it was, and the reference for the packed step's numbers.
 - **ours**: ``train_step`` as configured for GPUs: packed rows, logprobs only at loss positions in chunks
-  (``trainer.packing``), ``compile=True`` (decoder MLPs and norms), fused AdamW.
+  (``trainer.packing``), ``compile=True`` (whole decoder layers on one rank), fused AdamW with the clipping
+  folded in, and on one rank no FSDP2 but bf16 compute weights kept beside the float32 masters
+  (``trainer.shadow``). Alternatives for comparison: **ours-blocks** (each layer's attention, MLP and norms
+  compiled, as with FSDP2), **ours-eager** (no compile), **ours-fsdp** (one-rank FSDP2, the earlier path).
 
 Batches: **uniform** (8 rows x 1,024 tokens, 40% of each row is the response) and **agent** (64 rows of
 200-4,000 tokens, ~60% prompt, loss-masked), groups of 8. Printed per batch and variant: tokens/s (real
 tokens, no padding), ratio to naive, step time (median of the timed steps), peak memory and MFU (model
 FLOPs ``6 x params x tokens`` plus causal attention, over the dense bf16 peak of the card, 989 TFLOP/s for
 an H100/H200). The packed step's first-step loss and gradient norm must match the unpacked step's
-(bf16 tolerance on GPUs, float32's on CPU). ``--profile`` also runs ``torch.profiler`` over one timed step
-of the unpacked and the packed step on the uniform batch and prints the top operators by device time.
+(bf16 tolerance on GPUs, float32's on CPU). ``--profile`` also runs ``torch.profiler`` over one more step
+of ``--profile-variants`` on the uniform batch: the top operators by device time, and (GPU) the chrome
+trace with a table of the GPU's idle time by step phase and by the CPU operator running meanwhile.
 
     python bench/trainer.py                              # GPU: Qwen2.5-1.5B shape (random weights), bf16
     python bench/trainer.py --device cpu --model tiny    # the same code path on CPU, in seconds

@@ -120,7 +120,7 @@ def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
     from trainer.model import init_distributed, load_model, token_logprobs
     from trainer.weight_sync import DiskSync, GatewayControl, push_weights
 
-    info = init_distributed("cpu")  # a one-process group: load_model shards with FSDP2 over it
+    info = init_distributed("cpu")  # a one-process group (one rank: load_model does not shard)
     model = load_model(vllm_server.model_dir)
     gw = vllm_gateway()
     with gw.admin() as admin:  # the version vLLM reported at start ("default" counts as 0)
