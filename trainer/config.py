@@ -50,7 +50,7 @@ class TrainerSettings:
     micro_batch_tokens: int = field(default=8192, metadata=_h("token budget of one forward/backward pass (rows x padded length); must hold the longest row"))
     max_seq_len: int = field(default=0, metadata=_h("longest row the agents can produce, if known (checked against micro_batch_tokens at start; 0 = check per batch only)"))
     packing: bool = field(default=True, metadata=_h("pack each micro-batch's rows without padding (attention kept inside each row) and compute logprobs only at loss positions, in chunks; off = the padded full-logits path"))
-    compile: bool = field(default=False, metadata=_h("torch.compile the decoder layers' MLPs and norms (pays on GPUs; the first steps compile)"))
+    compile: bool = field(default=False, metadata=_h("torch.compile the decoder layers (one rank: whole layers; several: their attention, MLPs and norms; pays on GPUs; the first steps compile)"))
     adv_estimator: str = field(default="grpo", metadata=_h("advantage estimator", choices=ADV_ESTIMATORS))
     loss_agg_mode: str = field(default="token-mean", metadata=_h("loss aggregation", choices=LOSS_AGG_MODES))
     clip_low: float = field(default=0.2, metadata=_h("PPO ratio clipped below at 1 - clip_low"))
@@ -76,7 +76,7 @@ class TrainerSettings:
     lease_wait_s: float = field(default=30.0, metadata=_h("long-poll wait for a batch of finished groups"))
     max_idle_s: float = field(default=0.0, metadata=_h("stop when no data arrived for this long (0 = wait forever)"))
     device: str = field(default="auto", metadata=_h("auto (cuda if available), cpu or cuda", choices=DEVICES))
-    dtype: str = field(default="float32", metadata=_h("compute dtype (parameters and optimizer state stay float32; bfloat16 = FSDP2 mixed precision)", choices=DTYPES))
+    dtype: str = field(default="float32", metadata=_h("compute dtype (parameters and optimizer state stay float32; bfloat16 = FSDP2 mixed precision with several ranks, bf16 compute weights kept beside the float32 ones with one)", choices=DTYPES))
     seed: int = field(default=0, metadata=_h("random seed"))
 
     def validate(self) -> None:
