@@ -25,6 +25,7 @@ follow-up joins the most recent one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -58,6 +59,7 @@ class Caller:
     owner: str | None = None  # agent keys: a fingerprint recorded in the implicit sessions they create
 
 
+@functools.lru_cache(maxsize=64)  # the configured agent keys: hashed once, not on every request
 def key_owner(key: str) -> str:
     """The fingerprint of an agent key stored in its implicit sessions (never the key itself)."""
     return "agent-" + hashlib.sha256(key.encode()).hexdigest()[:16]

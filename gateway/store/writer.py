@@ -28,10 +28,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import queue
 import sqlite3
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -245,8 +246,34 @@ class SqliteBatchWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-sqlite-writer")
         self._conn: sqlite3.Connection | None = None
+        # its own thread fed by a SimpleQueue, answering through call_soon_threadsafe: a hop costs less
+        # Python than a ThreadPoolExecutor's (a concurrent Future with its Condition, chained to an asyncio one)
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]
+                                      | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="agentrl-sqlite-writer", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            call, loop, future = job
+            try:
+                result, error = call(), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_resolve, future, result, error)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+    def _submit(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((call, loop, future))
+        return future
 
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -264,7 +291,7 @@ class SqliteBatchWriter:
         """``fn(conn)`` in one write transaction, committed if it returns; rolled back if it raises.
         sqlite3 errors (and values SQLite or JSON cannot take) are raised as StoreError. The transaction
         runs to its end in the writer's thread even if the awaiting task is cancelled."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._transaction, fn)
+        return await self._submit(lambda: self._transaction(fn))
 
     def _transaction(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         try:
@@ -294,8 +321,18 @@ class SqliteBatchWriter:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-        await asyncio.get_running_loop().run_in_executor(self._executor, close)
-        self._executor.shutdown(wait=False)
+        if self._thread.is_alive():
+            await self._submit(close)
+            self._jobs.put(None)
+
+
+def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():  # the caller went away; the transaction ran to its end anyway
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class PostgresBatchWriter:
