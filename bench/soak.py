@@ -15,7 +15,9 @@
 
     python bench/soak.py [--agents 1000] [--seconds 120] [--skip-soak] [--skip-tick] [--history 1000,100000]
 
-Writes ``docs/bench/soak.json`` (``--out DIR``).
+Writes ``docs/bench/soak.json`` (``--out DIR``): each part with the date and machine of its run (``tick_run``,
+``soak_run``); a part skipped (``--skip-soak`` / ``--skip-tick``) keeps the file's last result for it. ``--trace-memory DIR`` runs the
+soaked gateway under tracemalloc (``bench/memtrace.py``) and prints what its memory gained after the warm-up.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +64,15 @@ bench = _bench()
 CLIENT_TIMEOUT_S = 600  # the openai SDK's default request timeout: what an agent waits before giving up
 
 
+def open_fds(pid: int) -> int:
+    """File descriptors the process holds: its accepted connections among them (a connection still in the
+    listen queue is not one yet)."""
+    try:
+        return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+    except OSError:
+        return 0
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -85,14 +98,26 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             db, extra = f"sqlite+aiosqlite:///{work}/soak.db", []
         else:
             db, extra = pg, ["--redis", bench.REDIS_URL, "--redis-prefix", prefix]
-        base, pid = bench.start_gateway(procs, "gateway", upstream, db, *extra)
-        samples: list[tuple[float, float]] = []
+        traced = Path(args.trace_memory) if args.trace_memory else None
+        if traced is None:
+            base, pid = bench.start_gateway(procs, "gateway", upstream, db, *extra)
+        else:
+            base, pid = start_traced_gateway(procs, upstream, db, extra, traced)
+        samples: list[tuple[float, float, int]] = []  # (seconds, RSS MB, open file descriptors)
         stop = threading.Event()
+        # a traced gateway starts tracing and writes what it holds before the load, then right after the
+        # warm-up, 3 s before the load ends and 10 s after it (census 0 to 3)
+        census_at = [args.warmup, args.seconds - 3] if traced else []
+        if traced is not None:
+            signal_census(pid, traced, 0)
 
         def sample() -> None:
             t0 = time.monotonic()
             while not stop.is_set():
-                samples.append((time.monotonic() - t0, rss_mb(pid)))
+                samples.append((time.monotonic() - t0, rss_mb(pid), open_fds(pid)))
+                if census_at and samples[-1][0] >= census_at[0]:
+                    census_at.pop(0)
+                    os.kill(pid, signal.SIGUSR1)  # census 1, then 2
                 stop.wait(1.0)
 
         out["rss_idle_mb"] = rss_mb(pid)
@@ -109,19 +134,89 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             stop.set()
             sampler.join()
         out["rss_end_mb"] = rss_mb(pid)
+        if traced is not None:
+            out["memory"] = traced_growth(pid, traced)
         stats = httpx.get(base + "/v1/trajectories/stats", headers={"Authorization": f"Bearer {bench.ADMIN}"},
                           timeout=60).json()
         out["last_tick_ms_under_load"] = stats["stats"]["last_tick_ms"]
+        out["answers_by_status"] = answers_by_status(base)
         out["store"] = bench.recorded(db)
         if args.db != "sqlite":
             bench.clear_redis_prefix(prefix)
-    after = [mb for t, mb in samples if t >= args.warmup]
+    after = [mb for t, mb, _ in samples if t >= args.warmup]
     out.update(wrk=result, rss_after_warmup_mb=after[0] if after else None,
-               rss_last_sample_mb=samples[-1][1] if samples else None, rss_max_mb=max(mb for _, mb in samples),
+               rss_last_sample_mb=samples[-1][1] if samples else None, rss_max_mb=max(mb for _, mb, _ in samples),
                rss_samples=samples[:: max(1, len(samples) // 60)], load_after=bench.loadavg())
     if out["rss_after_warmup_mb"]:
         out["rss_growth"] = out["rss_last_sample_mb"] / out["rss_after_warmup_mb"] - 1
+    # The gateway takes connections off the listen queue as its loop has time: under this load it holds all
+    # the agents' connections only some time into the run, and each one it holds is a request in progress.
+    held = [(t, mb) for t, mb, fds in samples if fds >= max(f for _, _, f in samples) - 5]
+    if held:
+        out["all_connections_held_at_s"], out["rss_when_all_held_mb"] = held[0]
+        out["rss_growth_after_all_held"] = out["rss_last_sample_mb"] / held[0][1] - 1
     return out
+
+
+def answers_by_status(base: str) -> dict[str, int]:
+    """The gateway's own count of its answers by status (``agentrl_gateway_requests_total``), all routes.
+    A 408 for headers that came too late is answered before any route and is not counted here."""
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {bench.ADMIN}"}, timeout=60).text
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("agentrl_gateway_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            status = labels.split('status="', 1)[1].split('"', 1)[0]
+            out[status] = out.get(status, 0) + int(float(value))
+    return out
+
+
+def start_traced_gateway(procs: Processes, upstream: str, db: str, extra: list[str], out: Path) -> tuple[str, int]:
+    """The soak's gateway under ``bench/memtrace.py`` (tracemalloc; SIGUSR1 writes a snapshot and a census)."""
+    port = free_port()
+    child = procs.start("gateway", [sys.executable, str(REPO / "bench" / "memtrace.py"), "--out", str(out), "--",
+                                    "gateway", "--engine-url", upstream, "--db", db, "--port", str(port),
+                                    "--admin-key", bench.ADMIN, "--agent-key", bench.AGENT, "--log-level", "warning",
+                                    *extra])
+    base = f"http://127.0.0.1:{port}"
+    procs.wait_healthy(child, base + "/health", timeout_s=300)
+    return base, child.proc.pid
+
+
+def wait_census(out: Path, index: int) -> None:
+    deadline = time.monotonic() + 300
+    while not (out / f"census-{index}.json").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the traced gateway wrote no census-{index}.json in {out}")
+        time.sleep(0.5)
+
+
+def signal_census(pid: int, out: Path, index: int) -> None:
+    """Ask the traced gateway for census ``index`` and wait until it is written."""
+    os.kill(pid, signal.SIGUSR1)
+    wait_census(out, index)
+
+
+def traced_growth(pid: int, out: Path) -> dict[str, Any]:
+    """What the traced gateway's memory gained from the warm-up to the end of the load (census 1 -> 2, what
+    the soak's RSS figure compares), and what it still held 10 s after the load that it did not hold before
+    the load (census 0 -> 3: what stays)."""
+    from bench.memtrace import diff
+
+    wait_census(out, 2)
+    time.sleep(10)
+    signal_census(pid, out, 3)
+    growth = {"warmup_to_end": diff(out, 1, 2), "idle_before_to_idle_after": diff(out, 0, 3)}
+    for name, d in growth.items():
+        print(f"memory {name}: RSS {d['rss_mb'][0]:.0f} -> {d['rss_mb'][1]:.0f} MB, traced {d['traced_mb'][0]:.1f} -> "
+              f"{d['traced_mb'][1]:.1f} MB, glibc {d['malloc'][0]} -> {d['malloc'][1]}, gc objects "
+              f"{d['gc_objects'][0]} -> {d['gc_objects'][1]}, tasks {d['asyncio_tasks'][0]} -> {d['asyncio_tasks'][1]}")
+        print(f"  caches: {d['caches']}")
+        print(f"  types: {d['types_grew']}")
+        for line in d["lines_grew"][:15]:
+            print(f"  {line['grew_kb']:+9.0f} KB ({line['blocks_grew']:+d} blocks, now {line['now_kb']:.0f} KB) "
+                  f"{line['where']}  <- {' <- '.join(line['stack'][1:4])}")
+    return growth
 
 
 # ------------------------------------------------------------------------------------------ tick vs history
@@ -246,6 +341,9 @@ def main() -> int:
     parser.add_argument("--skip-soak", action="store_true")
     parser.add_argument("--skip-tick", action="store_true")
     parser.add_argument("--out", default=str(REPO / "docs" / "bench"))
+    parser.add_argument("--trace-memory", metavar="DIR",
+                        help="run the soaked gateway under tracemalloc (bench/memtrace.py, slower) and report what "
+                             "its memory gained after the warm-up; snapshots go to DIR")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="agentrl-soak-"))
     info = bench.machine()
@@ -274,9 +372,21 @@ def main() -> int:
               f"{s['rss_after_warmup_mb']:.0f} MB, at the end {s['rss_last_sample_mb']:.0f} MB "
               f"({100 * s.get('rss_growth', 0):+.1f}%), max {s['rss_max_mb']:.0f} MB; last lifecycle tick "
               f"{s['last_tick_ms_under_load']:.1f} ms; load {s['load_before']} -> {s['load_after']}")
+        print(f"soak: the gateway's answers by status: {s['answers_by_status']}")
+        if "all_connections_held_at_s" in s:
+            print(f"soak: all {max(f for _, _, f in s['rss_samples'])} connections held from "
+                  f"{s['all_connections_held_at_s']:.0f} s on (RSS {s['rss_when_all_held_mb']:.0f} MB): "
+                  f"{100 * s['rss_growth_after_all_held']:+.1f}% from there to the end")
     info["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    previous = json.loads((out / "soak.json").read_text()) if (out / "soak.json").exists() else {}
+    run = {"when": payload.pop("when"), "machine": payload.pop("machine")}
+    for part in ("tick", "soak"):  # each part with the run it comes from; a skipped part keeps its last result
+        if part in payload:
+            payload[f"{part}_run"] = run
+        elif part in previous:
+            payload[part], payload[f"{part}_run"] = previous[part], previous.get(f"{part}_run")
     (out / "soak.json").write_text(json.dumps(payload, indent=1))
     print(f"wrote {out / 'soak.json'}")
     return 0
