@@ -65,6 +65,9 @@ def _anthropic_route(request: Request | None) -> bool:
 def _render(exc: GatewayError, request: Request | None = None) -> JSONResponse:
     """The error response, in Anthropic's shape on the Messages routes and OpenAI's everywhere else."""
     status, body = anthropic_error_body(exc) if _anthropic_route(request) else error_body(exc)
+    if status >= 500:  # an outage or an overload (a 4xx is the caller's to read): the operator's to see
+        where = f"{request.method} {request.url.path}" if request is not None else "request"
+        log.warning("%s: %d %s", where, status, exc.message)
     retry = exc.retry_after_s
     headers = {"Retry-After": str(max(1, round(retry)))} if retry is not None else None
     return JSONResponse(body, status_code=status, headers=headers)

@@ -409,7 +409,7 @@ async def test_rewards(make_gw: Any) -> None:
 # --------------------------------------------------------------------------------------------- bad input
 
 
-async def test_bad_inputs_get_openai_errors_and_record_nothing(make_gw: Any) -> None:
+async def test_bad_inputs_get_openai_errors_and_record_nothing(make_gw: Any, caplog: Any) -> None:
     async with make_gw(["a"], max_body_bytes=20_000) as gw:
         sess = await gw.session()
         key = sess["api_key"]
@@ -453,6 +453,9 @@ async def test_bad_inputs_get_openai_errors_and_record_nothing(make_gw: Any) -> 
         gw.engine.down = True
         down = await gw.post("/v1/chat/completions", {"messages": ok_msgs, "max_tokens": 3}, key=key)
         assert down.status_code == 503 and down.json()["error"]["code"] == "engine_unavailable"
+        logged = [r.getMessage() for r in caplog.records if r.name == "agentrl.gateway"]
+        assert any(m.startswith("POST /v1/chat/completions: 503 ") for m in logged), logged  # 5xx are logged
+        assert not any(": 400 " in m or ": 413 " in m for m in logged)  # the 4xx above are not
         down_stream = await gw.post("/v1/chat/completions", {"messages": ok_msgs, "max_tokens": 3,
                                                              "stream": True}, key=key)
         assert down_stream.status_code == 503
