@@ -4,6 +4,7 @@ into a fused AdamW, and the unpadded attention layout; each against the path it 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.trainer.helpers import full, synthetic_rows
@@ -107,6 +108,28 @@ def test_fused_adamw_clipping_by_grad_scale_equals_clip_grad_norm(tiny_model_dir
     assert n0 > 10 and np.isclose(n0, n1, rtol=1e-6)
     for a, b in zip(w0, w1):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 0.0])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_fused_clipping_equals_clip_grad_norm_with_a_non_finite_gradient(tiny_model_dir, max_norm, bad):
+    """The grad_scale fold against clip_grad_norm_ where the norm is inf or nan, with clipping on and off
+    (max_norm 0): the same reported norm and the same weights afterwards, NaNs in the same places."""
+    out = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = load_model(tiny_model_dir)
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen) * 0.01
+        next(iter(model.parameters())).grad.view(-1)[0] = bad
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        norm = float(_clip_and_step(model, opt, max_norm))
+        out.append((norm, [p.detach().clone() for p in model.parameters()]))
+    (n0, w0), (n1, w1) = out
+    assert not np.isfinite(n0) and (np.isnan(n0) == np.isnan(n1)) and (np.isinf(n0) == np.isinf(n1))
+    for a, b in zip(w0, w1):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.allclose(a, b, atol=1e-6, equal_nan=True)
 
 
 def test_packed_logprobs_of_unpadded_rows_use_the_dense_layout(tiny_model_dir):
