@@ -88,6 +88,8 @@ def dependency_outage(exc: BaseException) -> StoreUnavailable | None:
 def _install_error_handlers(app: FastAPI) -> None:
     async def gateway_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, GatewayError)
+        if exc.status >= 500:  # an outage (engine, store, Redis) or an engine error: say which in the log
+            log.warning("%s %s answered %d: %s", request.method, request.url.path, exc.status, exc.message)
         return _render(exc, request)
 
     async def store_error(request: Request, exc: Exception) -> JSONResponse:

@@ -452,12 +452,18 @@ class Store:
         ``cached=True`` (the implicit-mode hot path, which only needs its status and owner): without
         Redis, a record this process read or changed before, kept until a status or reward change made
         through this store (``last_activity_at`` may lag). Other processes' changes are not seen; the
-        group-commit writer refuses a turn of a session that is no longer active in its transaction."""
+        group-commit writer refuses a turn of a session that is no longer active in its transaction. With
+        Redis, the record cached by id (``sid:<id>``, written with every status or reward change, ordered by
+        ``version``; ``last_activity_at`` may lag)."""
         if cached and self._local:
             record = self._sessions.get(session_id)
             if record is not None:
                 self._sessions.move_to_end(session_id)
                 return record
+        if cached and self._redis is not None:
+            found = await self._redis.get_session_by_id(session_id)
+            if found is not None:
+                return found
         async with self._read() as conn:
             row = (await conn.execute(sa.select(schema.sessions).where(schema.sessions.c.id == session_id))).mappings().first()
         if row is None:
@@ -465,6 +471,8 @@ class Store:
         record = session_from_row(row)
         if cached and self._local:
             self._remember(self._sessions, session_id, record)
+        if cached and self._redis is not None:
+            await self._redis.put_session(row["key_hash"], record)
         return record
 
     def _remember(self, cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:

@@ -2,9 +2,10 @@
 
 Keys (under the store's prefix, default ``agentrl:``):
 
-- ``skey:<sha256(api key)>``: hash ``{v: version, d: session JSON}``, the session-by-key cache. Writes
-  are guarded by the session's ``version`` (a Lua script keeps the newer copy), so a slow reader that
-  fills the cache from an old SQL row cannot overwrite a newer status written by another replica.
+- ``skey:<sha256(api key)>``: hash ``{v: version, d: session JSON}``, the session-by-key cache, and
+  ``sid:<session id>``, the same record by id (the implicit-mode hot path). Writes are guarded by the
+  session's ``version`` (a Lua script keeps the newer copy of each), so a slow reader that fills the cache
+  from an old SQL row cannot overwrite a newer status written by another replica.
 - ``chain:<session id>``: hash ``chain_hash -> interaction id``, the parent index. Written after each
   commit and before the caller's response goes out; a later turn with the same hash overwrites (most
   recent wins). A miss falls back to SQL, which also refills the hash.
@@ -36,13 +37,19 @@ SESSION_TTL_S = 24 * 3600
 CHAIN_TTL_S = 24 * 3600
 SEQ_TTL_S = 3600
 
-# KEYS[1]=skey; ARGV = version, json, ttl. Keep the copy with the highest version.
+# KEYS = skey, sid (the same record by key hash and by id); ARGV = version, json, ttl. Each key keeps the
+# copy with the highest version.
 _PUT_IF_NEWER = """
-local cur = redis.call('HGET', KEYS[1], 'v')
-if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], 'v', ARGV[1], 'd', ARGV[2])
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return 1
+local wrote = 0
+for _, key in ipairs(KEYS) do
+  local cur = redis.call('HGET', key, 'v')
+  if not (cur and tonumber(cur) >= tonumber(ARGV[1])) then
+    redis.call('HSET', key, 'v', ARGV[1], 'd', ARGV[2])
+    redis.call('EXPIRE', key, ARGV[3])
+    wrote = 1
+  end
+end
+return wrote
 """
 
 
@@ -95,13 +102,28 @@ class RedisState:
             return None
         return SessionRecord(**json.loads(raw))
 
-    async def put_session(self, key_hash: str, record: SessionRecord) -> None:
-        key = f"{self.prefix}skey:{key_hash}"
+    async def get_session_by_id(self, session_id: str) -> SessionRecord | None:
+        """The cached record of a session by id (the implicit-mode hot path); None on a miss."""
         try:
-            await self._put_if_newer(keys=[key], args=[record.version, _session_json(record), SESSION_TTL_S])
+            raw = await self.client.hget(f"{self.prefix}sid:{session_id}", "d")
+        except RedisError as exc:
+            self._failed("session read", exc)
+            return None
+        if raw is None:
+            return None
+        return SessionRecord(**json.loads(raw))
+
+    def _session_keys(self, key_hash: str, record: SessionRecord) -> list[str]:
+        return [f"{self.prefix}skey:{key_hash}", f"{self.prefix}sid:{record.id}"]
+
+    async def put_session(self, key_hash: str, record: SessionRecord) -> None:
+        keys = self._session_keys(key_hash, record)
+        try:
+            await self._put_if_newer(keys=keys, args=[record.version, _session_json(record), SESSION_TTL_S])
         except RedisError as exc:
             self._failed("session write", exc)
-            await self._drop(key)
+            for key in keys:
+                await self._drop(key)
 
     # ---- chain-hash index ----
     async def chain_lookup(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
@@ -158,7 +180,7 @@ class RedisState:
                 pipe.set(f"{self.prefix}seq:{interaction_id}", packed, ex=SEQ_TTL_S)
             first_session = len(pipe)
             for key_hash, record in sessions:  # EVALSHA: the script is loaded at connect (else NOSCRIPT below)
-                pipe.evalsha(self._put_if_newer.sha, 1, f"{self.prefix}skey:{key_hash}", record.version,
+                pipe.evalsha(self._put_if_newer.sha, 2, *self._session_keys(key_hash, record), record.version,
                              _session_json(record), SESSION_TTL_S)
             for key, value, ttl in extra:
                 pipe.set(key, value, ex=ttl)
@@ -167,8 +189,9 @@ class RedisState:
             self._failed("turn publish", exc)
             for session_id in by_session:
                 await self._drop(f"{self.prefix}chain:{session_id}")
-            for key_hash, _ in sessions:
-                await self._drop(f"{self.prefix}skey:{key_hash}")
+            for key_hash, record in sessions:
+                for key in self._session_keys(key_hash, record):
+                    await self._drop(key)
             return
         failed = [r for r in results if isinstance(r, Exception)]
         if not failed:

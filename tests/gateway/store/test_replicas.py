@@ -188,6 +188,38 @@ async def test_sessions_created_with_turns_and_published_entries_reach_redis_wit
         await two.close()
 
 
+async def test_implicit_session_lookup_by_id_comes_from_redis_and_follows_status_changes(
+        pg_url: str, redis_prefix: str) -> None:
+    """``get_session(cached=True)`` (an implicit-mode child turn) reads Redis by id, not SQL, and sees a
+    status change made through another replica; a miss (evicted key) is refilled from SQL."""
+    from sqlalchemy import event
+
+    one = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    two = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    statements: list[str] = []
+    listener = lambda _c, _cur, sql, *_a: statements.append(sql)  # noqa: E731
+    try:
+        new = one.new_session(metadata={"implicit": True, "owner": "o"})
+        await one.record_interactions([make_turn("i0", new.id, None, prompt=[1], output=[2])], create=[new])
+        event.listen(two.engine.sync_engine, "before_cursor_execute", listener)
+        record = await two.get_session(session_id=new.id, cached=True)
+        assert (record.status, record.metadata["owner"]) == ("active", "o") and statements == []
+        await one.finish_session(session_id=new.id)
+        assert (await two.get_session(session_id=new.id, cached=True)).status == "finished"
+        assert statements == []
+        await client.delete(f"{redis_prefix}sid:{new.id}")
+        assert (await two.get_session(session_id=new.id, cached=True)).status == "finished"
+        assert len(statements) == 1  # the miss read SQL once and refilled the key
+        assert (await two.get_session(session_id=new.id, cached=True)).status == "finished"
+        assert len(statements) == 1
+    finally:
+        event.remove(two.engine.sync_engine, "before_cursor_execute", listener)
+        await client.aclose()
+        await one.close()
+        await two.close()
+
+
 @pytest.mark.services
 async def test_redis_outage_falls_back_to_sql(pg_url: str, redis_prefix: str) -> None:
     """With Redis gone mid-run, every call still answers from SQL; the failures are counted."""
