@@ -251,6 +251,7 @@ class SqliteBatchWriter:
         # Python than a ThreadPoolExecutor's (a concurrent Future with its Condition, chained to an asyncio one)
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]]
                                       | None] = queue.SimpleQueue()
+        self._closed = False  # set by close(): no job is queued after it (nobody would run it)
         self._thread = threading.Thread(target=self._serve, name="agentrl-sqlite-writer", daemon=True)
         self._thread.start()
 
@@ -258,6 +259,7 @@ class SqliteBatchWriter:
         while True:
             job = self._jobs.get()
             if job is None:
+                self._fail_pending()
                 return
             call, loop, future = job
             try:
@@ -269,7 +271,25 @@ class SqliteBatchWriter:
             except RuntimeError:  # the loop is closed: nobody waits any more
                 pass
 
+    def _fail_pending(self) -> None:
+        """Fail the jobs still queued once the thread stops (a race with close): their callers get an
+        error instead of waiting forever."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                continue
+            _, loop, future = job
+            try:
+                loop.call_soon_threadsafe(_resolve, future, None, StoreUnavailable("the store is closed"))
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
     def _submit(self, call: Callable[[], T]) -> asyncio.Future[T]:
+        if self._closed:
+            raise StoreUnavailable("the store is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._jobs.put((call, loop, future))
@@ -317,13 +337,22 @@ class SqliteBatchWriter:
         return result
 
     async def close(self) -> None:
+        """Run the jobs queued so far, close the connection and stop the thread; later calls raise
+        StoreUnavailable at once. Idempotent."""
         def close() -> None:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+        if self._closed:
+            return
         if self._thread.is_alive():
-            await self._submit(close)
+            future = self._submit(close)
+            self._closed = True  # nothing queued after the close job (it would reopen the connection)
             self._jobs.put(None)
+            await future
+        else:
+            self._closed = True
+            self._fail_pending()
 
 
 def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

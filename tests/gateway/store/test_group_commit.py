@@ -194,3 +194,27 @@ async def test_sqlite_writer_stores_what_sqlalchemy_stores_and_takes_turns_with_
         raw.close()
     finally:
         await store.close()
+
+
+async def test_sqlite_writer_run_after_close_fails_instead_of_hanging(tmp_path, sqlite_template) -> None:
+    """Review finding: a call on the SQLite writer's thread after Store.close() never resolved (the thread had
+    exited; nothing read its queue). StalenessControl.admit/release and late give-backs run there. A job queued
+    before close still runs; one submitted after it fails at once with StoreUnavailable."""
+    import shutil
+
+    from gateway.store import StoreUnavailable
+
+    shutil.copy(sqlite_template, tmp_path / "store.db")
+    store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}", migrate=False)
+    writer = store.sqlite_writer
+    assert writer is not None
+    assert await writer.run(lambda conn: 1) == 1
+    queued = asyncio.ensure_future(writer.run(lambda conn: conn.execute("SELECT 2").fetchone()[0]))
+    await asyncio.sleep(0)  # queued on the writer's thread before close
+    await store.close()
+    assert await asyncio.wait_for(queued, 5) == 2
+    with pytest.raises(StoreUnavailable, match="closed"):
+        await asyncio.wait_for(writer.run(lambda conn: 1), timeout=5)
+    await writer.close()  # idempotent
+    with pytest.raises(StoreUnavailable):
+        await asyncio.wait_for(writer.write([]), timeout=5)
