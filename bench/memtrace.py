@@ -66,7 +66,9 @@ def caches(objects: list[Any]) -> dict[str, Any]:
     from gateway.lifecycle import InFlight
     from gateway.store.api import Store
 
-    out: dict[str, Any] = {"normalize._plain_link": normalize._plain_link.cache_info().currsize}
+    out: dict[str, Any] = {"normalize._plain_link": normalize._plain_link.cache_info().currsize,
+                           "normalize._long_links": len(normalize._long_links),
+                           "normalize._long_links.chars": normalize._long_links.chars}
     for obj in objects:
         kind = type(obj)
         if kind is Store:

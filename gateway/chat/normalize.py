@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -296,9 +297,11 @@ def normalize_message(msg: Mapping[str, Any]) -> Message:
 
 def _link(previous: str, msg: Mapping[str, Any]) -> str:
     content = msg.get("content")
-    if len(msg) == 2 and type(content) is str and len(content) <= _PLAIN_LINK_MAX_CHARS \
-            and type(msg.get("role")) is str:
-        return _plain_link(previous, msg["role"], content)
+    if len(msg) == 2 and type(content) is str and type(msg.get("role")) is str:
+        if len(content) <= _SHORT_LINK_CHARS:
+            return _plain_link(previous, msg["role"], content)
+        if len(content) <= _PLAIN_LINK_MAX_CHARS:
+            return _long_links(previous, msg["role"], content)
     return _link_uncached(previous, msg)
 
 
@@ -311,12 +314,51 @@ def _link_uncached(previous: str, msg: Mapping[str, Any]) -> str:
 # A conversation's earlier messages come back with every turn, so the links of plain ``{role, content}``
 # messages (most of them) are computed once and looked up afterwards: a growing conversation's hash chain
 # then costs a dictionary probe per earlier message instead of a normalisation, a JSON dump and a hash.
+# The caches hold each message's content (in their keys), so what they may hold is bounded in characters:
+# short messages (most) in functools' C cache, 65,536 of at most 256 characters (~0.5 KB each, ~30 MB
+# full); longer ones up to 8,192 characters in a cache of 16M characters in all (entries of 65,536 x 8 KB
+# could have held ~0.5 GB). Longer messages are hashed every time.
+_SHORT_LINK_CHARS = 256
 _PLAIN_LINK_MAX_CHARS = 8192
+_LONG_LINK_CACHE_CHARS = 16_000_000
 
 
 @functools.lru_cache(maxsize=65536)
 def _plain_link(previous: str, role: str, content: str) -> str:
     return _link_uncached(previous, {"role": role, "content": content})
+
+
+class _LinkCache:
+    """``(previous link, role, content) -> link``, least recently used out first, holding at most
+    ``max_chars`` characters of content (each entry counted at least ``entry_chars``)."""
+
+    def __init__(self, max_chars: int, *, entry_chars: int = 400) -> None:
+        self.max_chars = max_chars
+        self.entry_chars = entry_chars
+        self.chars = 0
+        self.hits = 0
+        self._items: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __call__(self, previous: str, role: str, content: str) -> str:
+        key = (previous, role, content)
+        link = self._items.get(key)
+        if link is not None:
+            self.hits += 1
+            self._items.move_to_end(key)
+            return link
+        link = _link_uncached(previous, {"role": role, "content": content})
+        self._items[key] = link
+        self.chars += max(len(content), self.entry_chars)
+        while self.chars > self.max_chars:
+            (_, _, old), _ = self._items.popitem(last=False)
+            self.chars -= max(len(old), self.entry_chars)
+        return link
+
+
+_long_links = _LinkCache(_LONG_LINK_CACHE_CHARS)
 
 
 def chain_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -300,11 +300,31 @@ def test_cached_links_of_plain_messages_equal_the_uncached_hash_chain() -> None:
 
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "héllo"},
             {"role": "assistant", "content": ""}, {"role": "user", "content": "x" * 9000},
-            {"role": "assistant", "content": "ok", "tool_calls": []}, {"role": "user", "content": "again"}]
-    for _ in range(2):  # the second pass is answered from the cache
+            {"role": "assistant", "content": "ok", "tool_calls": []}, {"role": "user", "content": "again"},
+            {"role": "tool", "content": "é" * 3000}]
+    long_hits = normalize._long_links.hits
+    for _ in range(2):  # the second pass is answered from the caches
         expected, previous = [], ""
         for msg in msgs:
             previous = normalize._link_uncached(previous, msg)
             expected.append(previous)
         assert chain_hashes(msgs) == expected
     assert normalize._plain_link.cache_info().hits >= 4
+    assert normalize._long_links.hits == long_hits + 1  # the 3,000-character message
+
+
+def test_long_message_links_are_bounded_by_characters() -> None:
+    """The cache of long messages' links holds at most its budget of characters, oldest out first."""
+    from gateway.chat import normalize
+
+    cache = normalize._LinkCache(10_000, entry_chars=400)
+    links = [cache("", "user", f"{i}" + "y" * 2999) for i in range(5)]  # 15,000 characters offered
+    assert len(cache) == 3 and cache.chars == 9000  # the two oldest are gone
+    assert cache("", "user", "2" + "y" * 2999) == links[2] and cache.hits == 1  # 2 is now the most recent
+    cache("", "user", "5" + "y" * 2999)  # 12,000 > 10,000: the least recently used (3) goes
+    assert len(cache) == 3 and cache.chars == 9000
+    assert cache("", "user", "2" + "y" * 2999) == links[2] and cache.hits == 2  # kept
+    assert cache("", "user", "3" + "y" * 2999) == links[3] and cache.hits == 2  # recomputed, not a hit
+    cache("", "user", "z")  # a short one counts as 400
+    assert cache.chars == 9400 and len(cache) == 4
+    assert links[0] == normalize._link_uncached("", {"role": "user", "content": "0" + "y" * 2999})
