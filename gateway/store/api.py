@@ -151,9 +151,8 @@ class Store:
         self._local_entries = max(1024, 64 * turn_cache_size)
         self._sqlite_writer = (SqliteBatchWriter(os.path.abspath(str(write_engine.url.database)))
                                if self._is_sqlite else None)
-        url = write_engine.url
-        direct = self._sqlite_writer or PostgresBatchWriter(
-            url.set(drivername="postgresql").render_as_string(hide_password=False))
+        # the PostgreSQL writer connects with the asyncpg arguments SQLAlchemy derives from the same URL
+        direct = self._sqlite_writer or PostgresBatchWriter.for_engine(write_engine)
         self._writer = GroupCommitWriter(
             self._write_tx,
             lock_rows=not self._is_sqlite,

@@ -366,21 +366,46 @@ def _resolve(future: asyncio.Future[Any], result: Any, error: BaseException | No
 
 class PostgresBatchWriter:
     """The PostgreSQL group commit's own ``asyncpg`` connection (opened on first use, and again after it
-    was lost)."""
+    was lost), opened with the arguments SQLAlchemy's asyncpg dialect gives ``asyncpg.connect`` for the
+    same URL (:meth:`for_engine`): URL options such as ``?ssl=require`` are keywords of ``asyncpg.connect``
+    there, not server settings."""
 
-    def __init__(self, dsn: str) -> None:
-        self.dsn = dsn
+    def __init__(self, connect_args: Sequence[Any] = (), connect_kwargs: dict[str, Any] | None = None) -> None:
+        import asyncpg
+
+        kwargs = dict(connect_kwargs or {})
+        # what SQLAlchemy's asyncpg adapter takes for itself before calling asyncpg.connect (its own
+        # prepared-statement cache and naming; this writer uses asyncpg's statement cache directly)
+        self._creator: Callable[..., Awaitable[Any]] = kwargs.pop("async_creator_fn", None) or asyncpg.connect
+        kwargs.pop("prepared_statement_cache_size", None)
+        kwargs.pop("prepared_statement_name_func", None)
+        kwargs.setdefault("timeout", 10)
+        self._args = list(connect_args)
+        self._kwargs = kwargs
         self._conn: Any = None
+
+    @classmethod
+    def for_engine(cls, engine: Any, connect_args: dict[str, Any] | None = None) -> PostgresBatchWriter:
+        """A writer connecting as ``engine`` (a ``postgresql+asyncpg`` engine) does: the dialect's
+        ``create_connect_args`` for its URL, updated with the ``connect_args`` it was created with."""
+        args, kwargs = engine.dialect.create_connect_args(engine.url)
+        return cls(args, {**kwargs, **(connect_args or {})})
+
+    async def _connect(self) -> Any:
+        """A new connection; any failure to get one is StoreUnavailable (a 503), whatever the server or the
+        driver said (a refused option, TLS, authentication, an unreachable host)."""
+        try:
+            return await self._creator(*self._args, **self._kwargs)
+        except Exception as exc:
+            raise StoreUnavailable(f"database unavailable: cannot connect: {type(exc).__name__}: {exc}") from exc
 
     async def write(self, batch: list[_Job]) -> list[tuple[int, StoreError]]:
         """One batch of the group commit in one transaction (its failed jobs' indexes and errors; the rest
         is committed). Database errors are raised as StoreError."""
-        import asyncpg
-
         try:
             if self._conn is None or self._conn.is_closed():
                 self._conn = None
-                self._conn = await asyncpg.connect(self.dsn, timeout=10)
+                self._conn = await self._connect()
             async with self._conn.transaction():
                 return await _write_postgres(self._conn, batch)
         except Exception as exc:

@@ -218,3 +218,43 @@ async def test_sqlite_writer_run_after_close_fails_instead_of_hanging(tmp_path, 
     await writer.close()  # idempotent
     with pytest.raises(StoreUnavailable):
         await asyncio.wait_for(writer.write([]), timeout=5)
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("option", ["ssl=disable", "prepared_statement_cache_size=0"])
+async def test_turns_record_with_sqlalchemy_asyncpg_url_options(shared_pg_url: str, option: str) -> None:
+    """Review finding on 27643d3: the PostgreSQL group-commit writer connected with the store's URL re-rendered
+    as a plain asyncpg DSN, so query options that SQLAlchemy's asyncpg dialect passes to asyncpg.connect as
+    keywords (``ssl``, ``prepared_statement_cache_size``) became server settings and the server refused the
+    connection: the store opened and read, but every turn failed to record."""
+    store = await Store.open(f"{shared_pg_url}?{option}", migrate=False)
+    try:
+        session = await store.create_session()  # through SQLAlchemy: works with the option
+        await store.record_interactions([make_turn(f"opt-{option[:3]}", session.id, None, prompt=[1], output=[2])])
+        assert len(await store.session_interactions(session_id=session.id)) == 1
+    finally:
+        await store.close()
+
+
+@pytest.mark.services
+async def test_postgres_writer_connection_refused_is_store_unavailable(shared_pg_url: str) -> None:
+    """A connection the server refuses (here an unknown server setting, SQLSTATE 42704, which the error
+    translation alone would let through as a 500) fails the turn with StoreUnavailable (503); the next turn
+    connects again."""
+    from gateway.store import StoreUnavailable
+    from gateway.store.writer import PostgresBatchWriter
+
+    store = await Store.open(shared_pg_url, migrate=False)
+    try:
+        direct = store._writer._direct
+        assert isinstance(direct, PostgresBatchWriter)
+        good = dict(direct._kwargs)
+        direct._kwargs["server_settings"] = {"no_such_setting": "1"}
+        session = await store.create_session()
+        with pytest.raises(StoreUnavailable, match="cannot connect"):
+            await store.record_interactions([make_turn("pgw-refused", session.id, None, prompt=[1], output=[2])])
+        direct._kwargs = good
+        await store.record_interactions([make_turn("pgw-accepted", session.id, None, prompt=[1], output=[2])])
+        assert [t.id for t in await store.session_interactions(session_id=session.id)] == ["pgw-accepted"]
+    finally:
+        await store.close()
