@@ -11,14 +11,19 @@ Failures are :class:`HTTPFailure` with ``kind`` ``connect`` (cannot connect with
 ``timeout`` (no byte for ``timeout_s``), ``closed`` (the server closed the connection before the response
 ended) or ``protocol`` (a response that is not HTTP); :mod:`gateway.engine_client` maps them to the same
 gateway errors as httpx's. A request whose reader stops early (cancelled, or a stream closed before its
-end) closes its connection, so the server sees the client go. A kept connection that the server closed
-just as it was reused (no response byte received) is retried once on a new connection: the server never
-read that request.
+end) closes its connection, so the server sees the client go. A request is sent again on a new
+connection only when it provably never reached the server: a kept connection found closed (or with an end
+of file or stray bytes waiting) before the request is written is dropped unused, and one whose first send
+fails at once (nothing of the request left) is replaced. Once the request's bytes were handed to a live
+connection it is never sent again (``/generate`` is not idempotent: the server may have read it and begun,
+and SGLang refuses a second request with the same ``rid``); a connection that then closes without a
+response is the ``closed`` failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -50,7 +55,7 @@ def supported(url: str) -> bool:
 class _Response:
     """One response being received: status once the headers are in, body chunks, completion."""
 
-    __slots__ = ("status", "chunks", "done", "error", "keep_alive", "_waiter", "got_bytes")
+    __slots__ = ("status", "chunks", "done", "error", "keep_alive", "_waiter")
 
     def __init__(self) -> None:
         self.status = 0
@@ -58,7 +63,6 @@ class _Response:
         self.done = False
         self.error: HTTPFailure | None = None
         self.keep_alive = False
-        self.got_bytes = False
         self._waiter: asyncio.Future[None] | None = None
 
     def wake(self) -> None:
@@ -97,7 +101,6 @@ class _Connection(asyncio.Protocol):
         if response is None:  # bytes nobody asked for: the connection cannot be trusted any more
             self.close()
             return
-        response.got_bytes = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -145,6 +148,22 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def usable(self) -> bool:
+        """Whether this idle kept connection can take a request: open, and nothing readable on its socket
+        (an end of file or a reset the event loop has not processed yet, or bytes nobody asked for)."""
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+            return not poller.poll(0)
+        except (OSError, ValueError):
+            return False
+
 
 class FastHTTP:
     """Kept connections per ``host:port`` and the two calls the engine clients make."""
@@ -179,7 +198,7 @@ class FastHTTP:
         now = time.monotonic()
         while conns:
             conn = conns.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_s:
+            if now - conn.idle_since < self.idle_s and conn.usable():
                 return conn
             conn.close()
         return None
@@ -206,29 +225,31 @@ class FastHTTP:
                 + (f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n" if body is not None else "")
                 + "\r\n").encode("latin-1")
         data = head + body if body is not None else head
-        for attempt in (0, 1):
-            conn = self._take(key) if attempt == 0 else None
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(host, port)
-            response = conn.response = _Response()
-            try:
-                assert conn.transport is not None
-                conn.transport.write(data)
-                while not response.status and not response.done and response.error is None:
-                    await response.wait(timeout_s)
-                if response.error is not None:
-                    raise response.error
-            except HTTPFailure as exc:
+        conn = self._take(key)  # a kept connection found dead is dropped there, before any use
+        if conn is not None:
+            transport = conn.transport
+            assert transport is not None
+            transport.write(data)
+            if transport.is_closing():
+                # the first send failed at once (reset, broken pipe): not a byte of this request went
+                # out, so a new connection gets it
                 conn.close()
-                if reused and exc.kind == "closed" and not response.got_bytes:
-                    continue  # a kept connection the server had closed: it never read this request
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            return key, conn, response
-        raise AssertionError("unreachable")
+                conn = None
+        if conn is None:
+            conn = await self._connect(host, port)
+            assert conn.transport is not None
+            conn.transport.write(data)
+        # from here on the server may have read the request: it is never sent again
+        response = conn.response = _Response()
+        try:
+            while not response.status and not response.done and response.error is None:
+                await response.wait(timeout_s)
+            if response.error is not None:
+                raise response.error
+        except BaseException:
+            conn.close()
+            raise
+        return key, conn, response
 
     async def request(self, url: str, method: str = "POST", body: bytes | None = None, *,
                       timeout_s: float) -> tuple[int, bytes]:

@@ -214,32 +214,95 @@ async def test_timeout_cancel_and_a_kept_connection_dropped_by_the_server() -> N
         out = await client.generate([1], SamplingParams(max_new_tokens=4), 4)
         assert out.output_ids == [4, EOT]
 
-    # a server that answers one request per connection and then drops it when the next request comes
-    # (what a keep-alive timeout racing a reused connection looks like): the request is retried once
+    # a server that closes each connection right after its response (what its keep-alive timeout firing
+    # on an idle kept connection looks like): the next request finds the kept connection dead before using
+    # it and goes out on a new one; every request is read exactly once
     accepted = 0
+    read: list[str] = []
 
-    async def one_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def close_after_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal accepted
         accepted += 1
         head = await reader.readuntil(b"\r\n\r\n")
         length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
-        await reader.readexactly(length)
+        read.append(json.loads(await reader.readexactly(length))["rid"])
         payload = json.dumps(body([3, EOT], {"type": "stop", "matched": EOT})).encode()
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                      % (len(payload), payload))
         await writer.drain()
-        await reader.readuntil(b"\r\n\r\n")  # the next request on this connection: dropped unanswered
         writer.close()
 
-    server = await asyncio.start_server(one_per_connection, "127.0.0.1", 0)
+    server = await asyncio.start_server(close_after_answer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with httpx.AsyncClient() as http:
         client = EngineClient(f"http://127.0.0.1:{port}", http, fast=fast)
         for _ in range(3):
             assert (await client.generate([1], SamplingParams(max_new_tokens=4), 4)).output_ids == [3, EOT]
-    assert accepted == 3
+    assert accepted == 3 and len(read) == len(set(read)) == 3
     server.close()
     await fast.close()
+
+
+async def test_a_request_the_engine_read_is_not_sent_again() -> None:
+    """Review finding on 15d97e2: a POST /generate on a reused kept connection that closed before any
+    response byte was sent again on a new connection, also when the engine had read it and started. The
+    retry carries the same ``rid``; SGLang's TokenizerManager refuses a rid it still holds ("Duplicate
+    request ID detected", 400), so the agent got a 400 for a valid request, and no abort was sent. Now the
+    dropped connection is EngineUnavailable (503, as on the httpx path) and the rid is aborted."""
+    generated: list[str] = []
+    aborted: list[str] = []
+    running: set[str] = set()
+    served = 0
+
+    def respond(writer: asyncio.StreamWriter, status: bytes, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        writer.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (status, len(data), data))
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            path = head.split(b" ")[1]
+            length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+            rid = json.loads(await reader.readexactly(length))["rid"]
+            if path == b"/abort_request":
+                aborted.append(rid)
+                respond(writer, b"200 OK", {})
+                await writer.drain()
+                continue
+            generated.append(rid)
+            if rid in running:  # what SGLang answers for a rid it still holds
+                respond(writer, b"400 Bad Request", {"error": {"message": f"Duplicate request ID detected: {rid}"}})
+                await writer.drain()
+                continue
+            served += 1
+            if served == 1:  # the first request is answered on a connection that stays open
+                respond(writer, b"200 OK", body([3, EOT], {"type": "stop", "matched": EOT}))
+                await writer.drain()
+                continue
+            running.add(rid)  # the second one is read and started, then its connection drops unanswered
+            await asyncio.sleep(0.2)
+            writer.transport.abort()
+            await asyncio.sleep(1.0)  # the engine notices the client went away only later
+            running.discard(rid)
+            return
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    fast = FastHTTP()
+    async with httpx.AsyncClient() as http:
+        client = EngineClient(f"http://127.0.0.1:{port}", http, fast=fast)
+        assert (await client.generate([1], SamplingParams(max_new_tokens=4), 4)).output_ids == [3, EOT]
+        with pytest.raises(EngineUnavailable, match="HTTP closed"):
+            await client.generate([2], SamplingParams(max_new_tokens=4), 4)
+    server.close()
+    await fast.close()
+    assert len(generated) == len(set(generated)) == 2, f"the same /generate (rid) was sent twice: {generated}"
+    assert aborted == [generated[1]]  # the best-effort abort of the request that may still run
 
 
 async def test_lines_splits_like_httpx() -> None:
