@@ -121,6 +121,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             log.warning("%s %s: %s", request.method, request.url.path, outage.message)
             return _render(outage, request)
         log.exception("unhandled error", exc_info=exc)
+        exc.agentrl_answered = True  # type: ignore[attr-defined]  # logged and answered: see GatewayApp
         return _render(GatewayError("internal error; see the gateway's log"), request)
 
     app.add_exception_handler(GatewayError, gateway_error)
@@ -154,12 +155,32 @@ class GatewayApp(FastAPI):
                     self.direct_routes[(method, path)] = route.endpoint
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            endpoint = self.direct_routes.get((scope["method"], scope["path"]))
-            if endpoint is not None:
-                await self._direct(endpoint, scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        endpoint = self.direct_routes.get((scope["method"], scope["path"]))
+        if endpoint is not None:
+            await self._direct(endpoint, scope, receive, send)
+            return
+        # Starlette's ServerErrorMiddleware answers an unexpected exception (our 500 handler) and then raises
+        # it on to the server, and uvicorn closes the connection of a request that raised after its response
+        # started, so the client's next request on that kept connection fails with no answer. An exception
+        # after the whole response went out is logged (by the handler, or here) and goes no further.
+        complete = False
+
+        async def send_noting_the_end(message: Any) -> None:
+            nonlocal complete
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
+
+        try:
+            await super().__call__(scope, receive, send_noting_the_end)
+        except Exception as exc:
+            if not complete:
+                raise  # a response cut short: the server must close the connection
+            if not getattr(exc, "agentrl_answered", False):
+                log.exception("%s %s: error after the response was sent", scope["method"], scope["path"])
 
     async def _direct(self, endpoint: Any, scope: Any, receive: Any, send: Any) -> None:
         scope["app"] = self
@@ -170,14 +191,12 @@ class GatewayApp(FastAPI):
             try:
                 response = await endpoint(request)
             except Exception as exc:
-                cls, handler = _exception_handler(self.exception_handlers, exc)
+                _, handler = _exception_handler(self.exception_handlers, exc)
                 if handler is None:
                     raise
+                # the 500 handler logs the traceback; the exception is not raised on to the server (which
+                # would close the client's kept connection, see __call__)
                 response = await handler(request, exc)
-                if cls is Exception:  # as Starlette's ServerErrorMiddleware: answer, then let the server see it
-                    status = response.status_code
-                    await response(scope, receive, send)
-                    raise
             status = response.status_code
             await response(scope, receive, send)
         finally:

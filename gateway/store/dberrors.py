@@ -13,8 +13,35 @@ from gateway.store.errors import Conflict, InvalidValue, StoreError, StoreUnavai
 
 # SQLSTATE classes that mean "the server cannot serve now, try again": connection exceptions (08),
 # insufficient resources (53: too many connections), operator intervention (57P01 admin shutdown, 57P02
-# crash shutdown, 57P03 cannot connect now: starting up), and transaction rollbacks on conflicts (40).
-_UNAVAILABLE_SQLSTATE_PREFIXES = ("08", "53", "57P", "40")
+# crash shutdown, 57P03 cannot connect now: starting up, 57014 statement cancelled), system errors (58: I/O
+# of the server) and transaction rollbacks on conflicts (40).
+_UNAVAILABLE_SQLSTATE_PREFIXES = ("08", "53", "57P", "57014", "58", "40")
+
+
+def _driver_failures() -> tuple[type[BaseException], ...]:
+    """asyncpg's client-side failures that say nothing about the data: the connection is closed, in use,
+    lost mid-message (InterfaceError, InternalClientError incl. ProtocolError); plus any socket error or
+    timeout. Raised raw by the store's own asyncpg connection, wrapped by SQLAlchemy's adapter elsewhere
+    (as InterfaceError, or as the generic InternalError the adapter makes of InternalClientError)."""
+    try:
+        import asyncpg
+    except ImportError:  # pragma: no cover - a SQLite-only install
+        return (OSError, asyncio.TimeoutError)
+    return (asyncpg.InterfaceError, asyncpg.InternalClientError, OSError, asyncio.TimeoutError)
+
+
+def _driver_failure(exc: BaseException) -> BaseException | None:
+    """The connection-level driver failure behind ``exc`` (itself, its ``orig`` or its cause), if any.
+    asyncpg's ClientConfigurationError (also a ValueError: a bad option) is not one."""
+    kinds = _driver_failures()
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return None
+        if isinstance(seen, kinds) and not isinstance(seen, ValueError):
+            return seen
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return None
 
 
 def _sqlstate(exc: BaseException) -> str | None:
@@ -45,8 +72,11 @@ def translate(exc: BaseException) -> StoreError | None:
         return StoreUnavailable(f"database connection lost: {exc}")
     if isinstance(exc, sa_exc.StatementError) and isinstance(exc.orig, (TypeError, ValueError)):
         return InvalidValue(f"a value could not be stored: {exc.orig}")  # e.g. JSON that cannot serialise
-    if isinstance(exc, (OSError, asyncio.TimeoutError)):
-        return StoreUnavailable(f"database unreachable: {exc}")
+    if isinstance(exc, (sa_exc.DisconnectionError, sa_exc.TimeoutError)):
+        return StoreUnavailable(f"database unavailable: {exc}")
+    failure = _driver_failure(exc)
+    if failure is not None:
+        return StoreUnavailable(f"database unreachable: {type(failure).__name__}: {failure}")
     return None
 
 

@@ -412,6 +412,9 @@ class PostgresBatchWriter:
             if isinstance(exc, StoreError):
                 raise
             error = _postgres_error(exc)
+            if error is None and (self._conn is None or self._conn.is_closed()):
+                # whatever was raised, the connection is gone: an outage, not a bug in this batch
+                error = StoreUnavailable(f"database unavailable: connection lost: {type(exc).__name__}: {exc}")
             if error is None:
                 raise
             if isinstance(error, StoreUnavailable):
@@ -446,12 +449,11 @@ def _postgres_error(exc: BaseException) -> StoreError | None:
         return Conflict(f"the database refused the write: {exc}")
     if isinstance(exc, asyncpg.DataError):
         return InvalidValue(f"the database refused a value: {exc}")
-    translated = translate(exc)  # SQLSTATE classes of an unavailable server, OSError, timeouts
+    # SQLSTATE classes of an unavailable server; asyncpg's client-side failures (InterfaceError,
+    # InternalClientError); OSError, timeouts
+    translated = translate(exc)
     if translated is not None:
         return translated
-    if isinstance(exc, (asyncpg.PostgresConnectionError, asyncpg.InterfaceError)) and not isinstance(
-            exc, ValueError):
-        return StoreUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
     if isinstance(exc, (TypeError, ValueError, OverflowError)):  # incl. asyncpg's client-side DataError
         return InvalidValue(f"a value could not be stored: {exc}")
     return None
