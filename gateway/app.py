@@ -55,6 +55,7 @@ from gateway.store.dberrors import translate
 
 log = logging.getLogger("agentrl.gateway")
 
+KEEPALIVE_EXPIRY_S = 2.0  # kept engine connections (httpx): well below uvicorn's 5 s keep-alive timeout
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape here
 
 
@@ -88,8 +89,6 @@ def dependency_outage(exc: BaseException) -> StoreUnavailable | None:
 def _install_error_handlers(app: FastAPI) -> None:
     async def gateway_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, GatewayError)
-        if exc.status >= 500:  # an outage (engine, store, Redis) or an engine error: say which in the log
-            log.warning("%s %s answered %d: %s", request.method, request.url.path, exc.status, exc.message)
         return _render(exc, request)
 
     async def store_error(request: Request, exc: Exception) -> JSONResponse:
@@ -248,8 +247,11 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         own_http = http is None
-        client = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1000,
-                                                               max_keepalive_connections=200))
+        # kept connections expire before the engines' own keep-alive timeout (uvicorn: 5 s): one reused just
+        # as the engine closed it failed the request (a health probe every 5 s hit that race now and then,
+        # and the failed probe took the engine out of rotation: 503s until the next probe)
+        client = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200,
+                                                               keepalive_expiry=KEEPALIVE_EXPIRY_S))
         # generation calls go through the lean client unless the caller injected its own httpx client
         fast = FastHTTP() if own_http else None
         own_store = store is None

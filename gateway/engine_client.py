@@ -212,6 +212,17 @@ def error_text(content: bytes, reason: str = "") -> str:
     return str(body)[:500]
 
 
+async def _drain(chunks: AsyncIterator[Any], within_s: float = 1.0) -> None:
+    """Read what is left of a response (normally only its end), so that its connection can be reused; one
+    that does not end within ``within_s`` is closed instead (by the caller's ``aclose``)."""
+    try:
+        async with asyncio.timeout(within_s):
+            async for _ in chunks:
+                pass
+    except (TimeoutError, HTTPFailure):  # the generation is complete either way
+        pass
+
+
 _JSON = {"content-type": "application/json"}
 SSE_DONE = object()  # what :func:`sse_json` yields for the stream's ``data: [DONE]`` line
 
@@ -404,6 +415,7 @@ class EngineClient:
             async for chunk in events:
                 if chunk is SSE_DONE:
                     done = True
+                    await _drain(chunks)  # the response's end follows [DONE]: read it, so the connection is kept
                     return
                 if isinstance(chunk, dict) and "error" in chunk:
                     done = True  # SGLang's refusal once the stream began: the request is over
@@ -424,8 +436,15 @@ class EngineClient:
         """Whether the engine serves. SGLang's ``/health`` runs a one-token generation, which waits behind
         a pause (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, then 503); an engine the caller paused is probed
         for liveness with ``/get_model_info`` instead, which SGLang answers without its scheduler."""
+        url = self.base_url + ("/get_model_info" if paused else "/health")
+        if self.fast is not None:  # its kept connections expire first, and one the engine drops is retried
+            try:
+                status, _ = await self.fast.request(url, "GET", timeout_s=5.0)
+            except HTTPFailure:
+                return False
+            return status == 200
         try:
-            resp = await self.http.get(self.base_url + ("/get_model_info" if paused else "/health"), timeout=5.0)
+            resp = await self.http.get(url, timeout=5.0)
         except httpx.HTTPError:
             return False
         return resp.status_code == 200

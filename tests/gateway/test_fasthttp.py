@@ -104,6 +104,7 @@ async def test_generate_stream_and_errors_match_the_httpx_path() -> None:
         async for gen in router.generate([1, 2, 3], params, affinity_key=None, stream=True):
             seen.append(list(gen.output_ids))
         assert seen == [[5], [5, 6], [5, 6, 7], [5, 6, 7, EOT]] and gen.finish == "stop"
+        assert await router.engines[0].client.health()  # the probe goes through the lean client too
         assert served.connections == 1  # every request on one kept connection
         with pytest.raises(InvalidRequest, match="prompt too long") as err:
             await collect(router, [666], params, affinity_key=None, stream=False)
@@ -115,6 +116,7 @@ async def test_generate_stream_and_errors_match_the_httpx_path() -> None:
     with pytest.raises(EngineUnavailable, match="HTTP connect"):
         await collect(router, [1], params, affinity_key=None, stream=False)
     assert not router.engines[0].healthy
+    assert not await router.engines[0].client.health()
     await http.aclose()
     await fast.close()
 
