@@ -33,6 +33,8 @@ import asyncio
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -112,8 +114,11 @@ _ADMIT_ONE_STATEMENT = sa.text(
 
 class StalenessControl:
     def __init__(self, engine: AsyncEngine, *, default_group_size: int, retry_after_s: float,
-                 sqlite_writer: Any | None = None) -> None:
+                 sqlite_writer: Any | None = None,
+                 connection_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> None:
         self.engine = engine
+        # Store.connection_slot: admit/release (on a request's path) wait their turn for a pool connection
+        self._slot = connection_slot or nullcontext
         self.default_group_size = default_group_size
         self.retry_after_s = retry_after_s
         # gateway.store.writer.SqliteBatchWriter of the store on SQLite: admit/release run there in one hop
@@ -193,12 +198,12 @@ class StalenessControl:
             return await self._admit_sqlite(n)
         if self.engine.dialect.name != "postgresql":
             try:
-                async with self.engine.begin() as conn:
+                async with self._slot(), self.engine.begin() as conn:
                     return await self.admit_in(conn, n=n)
             except SQLAlchemyError as exc:
                 raise _unavailable(exc) from exc
         try:
-            async with self.engine.connect() as conn:
+            async with self._slot(), self.engine.connect() as conn:
                 autocommit = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 row = (await autocommit.execute(_ADMIT_ONE_STATEMENT, {"n": n, "id": _ROW})).first()
         except SQLAlchemyError as exc:
@@ -292,7 +297,7 @@ class StalenessControl:
             return
         t = trainer_table
         try:
-            async with self.engine.begin() as conn:
+            async with self._slot(), self.engine.begin() as conn:
                 await conn.execute(
                     t.update().where(t.c.id == _ROW)
                     .values(admitted=sa.case((t.c.admitted >= n, t.c.admitted - n), else_=0))

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -36,11 +36,13 @@ from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import QueuePool
 
 from gateway.store import schema
 from gateway.store.migrate import upgrade as alembic_upgrade
 from gateway.store.dberrors import db_errors
 from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreUnavailable
+from gateway.store.gate import ConnectionGate
 from gateway.store.packing import unpack_i32
 
 from gateway.store.records import (
@@ -70,6 +72,8 @@ from gateway.store.tree import parents_first, tree_json
 from gateway.store.writer import SQLITE_PRAGMAS, GroupCommitWriter, PostgresBatchWriter, SqliteBatchWriter
 
 log = logging.getLogger(__name__)
+
+_UNGATED_CONNECTIONS = 2  # of the PostgreSQL pool, for users of ``Store.engine`` that do not take a slot
 
 __all__ = [
     "SESSION_STATUSES",
@@ -149,6 +153,11 @@ class Store:
         self._sessions: OrderedDict[str, SessionRecord] = OrderedDict()
         self._chains: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._local_entries = max(1024, 64 * turn_cache_size)
+        # PostgreSQL: callers wait their turn for the pool's connections instead of failing after its
+        # 30 s timeout; a few connections stay outside the gate for background users of ``engine``
+        pool = engine.pool
+        self._gate = ConnectionGate(pool.size() + max(0, pool._max_overflow) - _UNGATED_CONNECTIONS) \
+            if not self._is_sqlite and isinstance(pool, QueuePool) else None  # noqa: SLF001
         self._sqlite_writer = (SqliteBatchWriter(os.path.abspath(str(write_engine.url.database)))
                                if self._is_sqlite else None)
         # the PostgreSQL writer connects with the asyncpg arguments SQLAlchemy derives from the same URL
@@ -299,14 +308,19 @@ class Store:
         database errors inside are raised as StoreError."""
         return self._read()
 
+    def connection_slot(self) -> AbstractAsyncContextManager[None]:
+        """Wait in arrival order for one of the pool's connections (PostgreSQL; see ``gateway.store.gate``)
+        and hold it for the block: for modules using :attr:`engine` on a request's path."""
+        return self._gate.slot() if self._gate is not None else nullcontext()
+
     @asynccontextmanager
     async def _write_tx(self) -> AsyncIterator[AsyncConnection]:
-        async with db_errors(), self._write_engine.begin() as conn:
+        async with self.connection_slot(), db_errors(), self._write_engine.begin() as conn:
             yield conn
 
     @asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
-        async with db_errors(), self._engine.connect() as conn:
+        async with self.connection_slot(), db_errors(), self._engine.connect() as conn:
             yield conn
 
     # ---- sessions ----
