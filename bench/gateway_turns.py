@@ -137,6 +137,8 @@ def classify(stack: str) -> str | None:
     frames = stack.split(";")
     if any(idle in frame for frame in frames for idle in IDLE):
         return None
+    if frames[-1].startswith("SqliteBatchWriter._serve (") or frames[-1].startswith("_serve (gateway/store/writer"):
+        return None  # the SQLite writer's thread waiting in SimpleQueue.get (C: no frame of its own)
     if frames[-1].startswith(LOOP):
         return "loop"
     for phase, markers in FIRST:
