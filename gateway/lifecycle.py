@@ -460,10 +460,11 @@ class TrajectoryService:
         self.stats.ticks += 1
         started = time.perf_counter()
         now = time.time() if now is None else now
-        # Only groups where something can happen: a finished session, or one idle past the idle or the
-        # group timeout (the rest of the live sessions, and all of the history, stay in SQL).
-        quiet = now - min(self.settings.idle_timeout_s, self.settings.group_timeout_s)
-        live = await self.store.lifecycle_sessions(quiet_before=quiet)
+        # Only groups where something can happen: a finished session, a rewarded one idle past the idle
+        # timeout, or one idle past the group timeout (the rest of the live sessions, those waiting for a
+        # reward included, and all of the history stay in SQL).
+        live = await self.store.lifecycle_sessions(idle_before=now - self.settings.idle_timeout_s,
+                                                   timeout_before=now - self.settings.group_timeout_s)
         busy = await self.inflight.busy([s.id for s in live])
         live = [await self._maybe_finish_idle(s, now, busy) for s in live]
         groups: dict[str, list[SessionRecord]] = defaultdict(list)

@@ -107,3 +107,28 @@ async def test_concurrent_claims_of_one_group_have_one_winner(store: Store) -> N
 
     results = await asyncio.gather(claim(ids), claim(ids[::-1]), claim(ids[1:] + ids[:1]))
     assert sorted(results) == [0, 0, 4]
+
+
+async def test_lifecycle_candidates_leave_out_idle_sessions_waiting_for_a_reward(store: Store) -> None:
+    """The tick's SQL selection: an idle session is a candidate once rewarded (session or turn reward) or
+    past the group timeout; one that only waits for its reward is not, so a big group of those is not read
+    on every tick. A candidate brings its whole group id."""
+    import time as _time
+
+    from tests.gateway.store.helpers import make_turn
+
+    members = [await store.create_session(group_id="g-wait") for _ in range(3)]
+    other = await store.create_session(group_id="g-other")
+    later = _time.time() + 60  # "idle since a minute from now": every session here counts as idle
+    assert await store.lifecycle_sessions(idle_before=later, timeout_before=0.0) == []
+    assert {s.id for s in await store.lifecycle_sessions(quiet_before=later)} == {m.id for m in members} | {other.id}
+    assert {s.id for s in await store.lifecycle_sessions(idle_before=0.0, timeout_before=later)} == \
+        {m.id for m in members} | {other.id}
+    await store.record_interactions([make_turn("t-wait", members[1].id, None, prompt=[1], output=[2])])
+    await store.set_reward(reward=1.0, source="test", interaction_id="t-wait")  # a turn reward
+    got = await store.lifecycle_sessions(idle_before=later, timeout_before=0.0)
+    assert {s.id for s in got} == {m.id for m in members}  # the whole group, and only it
+    await store.set_reward(reward=0.5, source="test", session_id=other.id)  # a session reward
+    got = await store.lifecycle_sessions(idle_before=later, timeout_before=0.0)
+    assert {s.id for s in got} == {m.id for m in members} | {other.id}
+    assert await store.lifecycle_sessions(idle_before=0.0, timeout_before=0.0) == []
