@@ -110,14 +110,22 @@ def test_a_push_without_the_gateway_keeps_the_request_in_the_engine_and_records_
     gw = gateway_factory()
     model = load_model(tiny_model_dir)
     session = gw.create_session(group_id="direct")
-    thread, result = long_story(session, max_tokens=300)
+    # up to 1,500 tokens: the tiny model on CPU makes 300 in well under a second, so a 300-token story could
+    # finish before the push and test nothing (at seed 5 its first 300 tokens hold no EOS; the check below
+    # says so if a story ever ends before the push)
+    thread, result = long_story(session, max_tokens=1500)
+
+    def running() -> int:
+        return httpx.get(f"{trainer_engine}/get_server_info").json()["internal_states"][0]["num_running_reqs"]
+
     deadline = time.monotonic() + 60
-    while httpx.get(f"{trainer_engine}/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+    while running() == 0:
         assert time.monotonic() < deadline, "the request never reached the engine"
         time.sleep(0.05)
-    time.sleep(1.0)  # some tokens under version 0
+    time.sleep(0.3)  # some tokens under version 0
 
     perturb(model)
+    assert running() == 1, "the story ended before the push: nothing would be tested"
     http = httpx.Client(timeout=120)
     push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
                  control=DirectControl([trainer_engine], client=http))
