@@ -92,9 +92,9 @@ class RedisState:
         log.warning("redis %s failed (falling back to SQL): %s", what, exc)
 
     # ---- sessions ----
-    async def get_session(self, key_hash: str) -> SessionRecord | None:
+    async def _cached_session(self, key: str) -> SessionRecord | None:
         try:
-            raw = await self.client.hget(f"{self.prefix}skey:{key_hash}", "d")
+            raw = await self.client.hget(f"{self.prefix}{key}", "d")
         except RedisError as exc:
             self._failed("session read", exc)
             return None
@@ -102,16 +102,12 @@ class RedisState:
             return None
         return SessionRecord(**json.loads(raw))
 
+    async def get_session(self, key_hash: str) -> SessionRecord | None:
+        return await self._cached_session(f"skey:{key_hash}")
+
     async def get_session_by_id(self, session_id: str) -> SessionRecord | None:
         """The cached record of a session by id (the implicit-mode hot path); None on a miss."""
-        try:
-            raw = await self.client.hget(f"{self.prefix}sid:{session_id}", "d")
-        except RedisError as exc:
-            self._failed("session read", exc)
-            return None
-        if raw is None:
-            return None
-        return SessionRecord(**json.loads(raw))
+        return await self._cached_session(f"sid:{session_id}")
 
     def _session_keys(self, key_hash: str, record: SessionRecord) -> list[str]:
         return [f"{self.prefix}skey:{key_hash}", f"{self.prefix}sid:{record.id}"]
