@@ -27,7 +27,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -56,6 +56,19 @@ class SamplingParams:
     top_logprobs: int = 0
     penalties: dict[str, Any] = field(default_factory=dict)  # SGLang names (gateway.constraints.penalties)
     grammar: dict[str, str] = field(default_factory=dict)  # one SGLang grammar key (gateway.constraints.Grammar)
+
+    def continued(self, generated: int) -> "SamplingParams":
+        """The parameters of a segment that continues after ``generated`` tokens (a pause or a lost engine):
+        ``min_new_tokens`` asks only for what is still owed (engines refuse a minimum above the new maximum)."""
+        owed = self.penalties.get("min_new_tokens")
+        if not generated or not owed:
+            return self
+        penalties = dict(self.penalties)
+        if owed > generated:
+            penalties["min_new_tokens"] = owed - generated
+        else:
+            del penalties["min_new_tokens"]
+        return replace(self, penalties=penalties)
 
     def to_wire(self, max_new_tokens: int) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -701,18 +714,19 @@ class EngineRouter:
             base = len(gen.output_ids)
             segment_version = self.weight_version
             segment_ids = input_ids + gen.output_ids if base else input_ids
+            segment_params = params.continued(base)
             state.in_flight += 1
             last: EngineOutput | None = None
             try:
                 if stream:
-                    async for out in state.client.generate_stream(segment_ids, params, remaining):
+                    async for out in state.client.generate_stream(segment_ids, segment_params, remaining):
                         last = out
                         state.last_output = time.monotonic()
                         self._merge(gen, base, out, segment_version)
                         if out.finish is None or out.finish != "abort":
                             yield gen
                 else:
-                    last = await state.client.generate(segment_ids, params, remaining)
+                    last = await state.client.generate(segment_ids, segment_params, remaining)
                     state.last_output = time.monotonic()
                     self._merge(gen, base, last, segment_version)
             except EngineUnavailable as exc:

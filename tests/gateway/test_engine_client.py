@@ -148,7 +148,7 @@ async def test_routing_least_loaded_affinity_and_health() -> None:
 async def test_pause_holds_and_resume_continues_with_new_version() -> None:
     engine = FakeEngine("a", [10, 11, 12, 13, 14, 15, EOT])
     router, clients = make_router(engine)
-    params = SamplingParams(max_new_tokens=50)
+    params = SamplingParams(max_new_tokens=50, penalties={"min_new_tokens": 40})
     seen: list[list[int]] = []
 
     async def consume() -> Any:
@@ -175,6 +175,9 @@ async def test_pause_holds_and_resume_continues_with_new_version() -> None:
     resent = engine.requests[-1]
     assert resent["input_ids"] == [1, 2] + gen.output_ids[:cut]  # prompt + partial output
     assert resent["sampling_params"]["max_new_tokens"] == 50 - cut
+    # the minimum counts only what is still owed (vLLM refused min_tokens 600 > max_tokens 589 here)
+    assert engine.requests[0]["sampling_params"]["min_new_tokens"] == 40
+    assert resent["sampling_params"]["min_new_tokens"] == 40 - cut
     assert all(  # the caller only ever saw the output grow
         seen[i] == seen[i + 1][: len(seen[i])] for i in range(len(seen) - 1))
     for c in clients:
@@ -446,3 +449,13 @@ async def test_busy_engine_that_misses_a_health_probe_while_producing_output_sta
     assert not router2.engines[0].healthy
     for c in clients + clients2:
         await c.aclose()
+
+
+def test_a_continued_segment_asks_only_for_the_minimum_still_owed() -> None:
+    params = SamplingParams(max_new_tokens=50, penalties={"min_new_tokens": 10, "repetition_penalty": 1.1})
+    assert params.continued(0) is params
+    assert params.continued(4).penalties == {"min_new_tokens": 6, "repetition_penalty": 1.1}
+    assert params.continued(10).penalties == {"repetition_penalty": 1.1}  # met: no minimum left
+    assert params.penalties["min_new_tokens"] == 10  # the request's own parameters are untouched
+    plain = SamplingParams(max_new_tokens=5)
+    assert plain.continued(3) is plain

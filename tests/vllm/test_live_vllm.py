@@ -134,7 +134,7 @@ def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
     def agent() -> None:
         result["reply"] = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=150, temperature=1.0, seed=5)
+            max_tokens=1500, temperature=1.0, seed=5, extra_body={"min_tokens": 600})
 
     thread = threading.Thread(target=agent)
     thread.start()
@@ -143,7 +143,12 @@ def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
         while not any(e["in_flight"] for e in admin.get("/admin/engines").json()["engines"]):
             assert time.monotonic() < deadline, "the request never reached the engine"
             time.sleep(0.05)
-    time.sleep(0.5)
+    time.sleep(0.2)
+    # the story is long (600-1,500 tokens; min_tokens keeps the tiny model from an early EOS): 150 tokens
+    # once ended during the wait on a quiet machine, before the push, and the test saw only version 0
+    with gw.admin() as admin:
+        assert any(e["in_flight"] for e in admin.get("/admin/engines").json()["engines"]), \
+            "the story ended before the push: nothing would be tested"
 
     torch.manual_seed(v0 + 1)  # weights unlike any earlier push to this server
     with torch.no_grad():
