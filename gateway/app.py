@@ -11,6 +11,7 @@ transport reaches the engines, an open ``Store``, a tokenizer, an admission poli
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -240,8 +241,11 @@ def create_app(
     store: Store | None = None,
     tokenizer: Any | None = None,
     admission: Any | None = None,
+    freeze_gc: bool = False,
 ) -> FastAPI:
-    """The gateway app. Injected parts are used as given and not closed at shutdown."""
+    """The gateway app. Injected parts are used as given and not closed at shutdown. ``freeze_gc``: the
+    process serves only this app (``agentrl gateway``); what its start-up loaded is frozen out of the
+    garbage collector's generations (``gc.freeze``)."""
     metrics = Metrics()
 
     @asynccontextmanager
@@ -299,6 +303,12 @@ def create_app(
             await control.start()
             log.info("gateway ready: model %s, context %d, engines %s, db %s", name, context,
                      settings.engine_url, settings.db.split("@")[-1])
+            if freeze_gc:
+                # Everything loaded so far (modules, the tokenizer, the template, the clients) lives as long
+                # as the process: out of the collector's reach, a full collection walks only what requests
+                # made (one took ~140 ms over the start-up's objects under load: p99 spikes)
+                gc.collect()
+                gc.freeze()
             yield
         finally:
             if control is not None:

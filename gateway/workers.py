@@ -191,7 +191,7 @@ def serve(settings: GatewaySettings, *, sock: socket.socket | None = None, index
     from gateway.app import create_app
     from gateway.http_server import protocol
 
-    app: Any = create_app(settings)
+    app: Any = create_app(settings, freeze_gc=True)
     if index is not None:
         app = WorkerHeader(app, index)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),

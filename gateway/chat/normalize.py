@@ -14,11 +14,11 @@ import functools
 import hashlib
 import json
 import re
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.chat.errors import ChatFormatError
+from gateway.sizedlru import SizedLRU
 
 Message = dict[str, Any]
 
@@ -333,28 +333,25 @@ class _LinkCache:
     ``max_chars`` characters of content (each entry counted at least ``entry_chars``)."""
 
     def __init__(self, max_chars: int, *, entry_chars: int = 400) -> None:
-        self.max_chars = max_chars
-        self.entry_chars = entry_chars
-        self.chars = 0
-        self.hits = 0
-        self._items: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+        self._items: SizedLRU[tuple[str, str, str], str] = SizedLRU(max_chars, min_entry=entry_chars)
 
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def chars(self) -> int:
+        return self._items.size
+
+    @property
+    def hits(self) -> int:
+        return self._items.hits
+
     def __call__(self, previous: str, role: str, content: str) -> str:
         key = (previous, role, content)
         link = self._items.get(key)
-        if link is not None:
-            self.hits += 1
-            self._items.move_to_end(key)
-            return link
-        link = _link_uncached(previous, {"role": role, "content": content})
-        self._items[key] = link
-        self.chars += max(len(content), self.entry_chars)
-        while self.chars > self.max_chars:
-            (_, _, old), _ = self._items.popitem(last=False)
-            self.chars -= max(len(old), self.entry_chars)
+        if link is None:
+            link = _link_uncached(previous, {"role": role, "content": content})
+            self._items.put(key, link, len(content))
         return link
 
 

@@ -27,10 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from jinja2 import TemplateError
 
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.hermes import text_of, to_hermes
+from gateway.sizedlru import SizedLRU
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -45,6 +47,10 @@ _PROBE_TEXT = "agentrl probe reply"
 # 2048 x (8192 characters + 4 bytes per token) = ~40 MB; ordinary turns are far smaller.
 SEGMENT_CACHE_SIZE = 2048
 SEGMENT_CACHE_MAX_CHARS = 8192
+# Renderings kept by the render cache, in characters of key + text (~16-32 MB). Prompts repeat: a GRPO group
+# sends its root prompt once per member, and every stitched child turn renders the same short stand-in
+# conversation (system prompt, tools, a fixed reply) before its new messages.
+RENDER_CACHE_CHARS = 8_000_000
 _TEMPLATE_ERRORS = (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError)
 
 
@@ -92,6 +98,10 @@ class ChatTemplate:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass a tokenizer directory that has one")
         self.tokenizer = tokenizer
+        # A rendering depends only on its inputs, unless the template reads the clock (HF's strftime_now:
+        # today's date in the system prompt); such a template is rendered every time.
+        self._renders: SizedLRU[bytes, str] | None = (
+            None if "strftime_now" in str(tokenizer.chat_template) else SizedLRU(RENDER_CACHE_CHARS, min_entry=256))
         self.native_tools = self._detect_native_tools()
         self.eos_token_id: int | None = tokenizer.eos_token_id
         self.end_of_turn_ids: list[int] = self._detect_end_of_turn()
@@ -108,6 +118,21 @@ class ChatTemplate:
     # ------------------------------------------------------------------------------------ rendering
 
     def _apply(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> str:
+        """The template's text for ``messages``, through the render cache (keyed by the exact JSON of the
+        inputs, key order kept: a template may print a tool's keys in order)."""
+        if self._renders is None:
+            return self._render(messages, tools, generation_prompt)
+        try:
+            key = orjson.dumps((messages, tools, generation_prompt))
+        except TypeError:  # not plain JSON values (orjson.JSONEncodeError is a TypeError): not cached
+            return self._render(messages, tools, generation_prompt)
+        text = self._renders.get(key)
+        if text is None:
+            text = self._render(messages, tools, generation_prompt)
+            self._renders.put(key, text, len(key) + len(text))
+        return text
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> str:
         # HF types messages as dict[str, str]; ours hold tool calls and parts too
         prepared: list[Any]
         tools_arg: list[Any] | None

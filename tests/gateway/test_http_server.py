@@ -156,3 +156,85 @@ async def test_two_servers_in_one_process_keep_their_own_header_deadlines() -> N
         for server, _ in servers:
             server.should_exit = True
         await asyncio.gather(*tasks)
+
+
+class _CountingTransport:
+    """The connection's real transport, counting the writes that reach it."""
+
+    def __init__(self, transport: asyncio.Transport, writes: list[bytes]) -> None:
+        self._transport, self._writes = transport, writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+async def test_a_response_head_and_body_go_out_in_one_write_and_streams_are_not_held() -> None:
+    """uvicorn writes a response's head and body separately (two system calls); the gateway's protocol sends
+    them as one. A streamed chunk still goes out in the event loop step that produced it, and uvicorn's
+    ``100 Continue`` reaches a client that waits for it before sending its body."""
+    writes: list[bytes] = []
+    release = asyncio.Event()
+
+    class Counting(protocol(30.0)):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(_CountingTransport(transport, writes))  # type: ignore[arg-type]
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            await release.wait()  # the client has the first chunk before the second exists
+            await send({"type": "http.response.body", "body": b"second", "more_body": False})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body) + 4).encode())]})
+        await send({"type": "http.response.body", "body": b"got " + body})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=Counting))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        for payload in (b"one", b"two"):  # keep-alive: two requests on one connection
+            before = len(writes)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\n" + payload)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+            assert head.startswith(b"HTTP/1.1 200")
+            assert await asyncio.wait_for(reader.readexactly(7), timeout=10) == b"got " + payload
+            assert len(writes) == before + 1 and writes[-1].startswith(b"HTTP/1.1 200")
+            assert writes[-1].endswith(b"got " + payload)
+
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"later")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert await asyncio.wait_for(reader.readexactly(9), timeout=10) == b"got later"
+
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert await asyncio.wait_for(reader.readuntil(b"first\r\n"), timeout=10) == b"5\r\nfirst\r\n"
+        release.set()
+        assert await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), timeout=10) == b"6\r\nsecond\r\n0\r\n\r\n"
+        writer.close()
+    finally:
+        server.should_exit = True
+        await task

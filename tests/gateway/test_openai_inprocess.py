@@ -678,3 +678,31 @@ async def test_streamed_turn_held_by_a_pause_keeps_its_session_in_flight(make_gw
         assert not await gw.app.state.inflight.busy([sess["session_id"]])
         await gw.app.state.trajectories.tick(now=time.time() + 3600)
         assert await _status(gw, sess["session_id"]) != "active"
+
+
+async def test_a_served_gateway_freezes_its_start_up_objects_out_of_the_collector(
+        tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> None:
+    """``agentrl gateway`` (freeze_gc): what the start-up loaded leaves the collector's generations, so a full
+    collection under load walks only what requests made; an app embedded elsewhere (the default) leaves the
+    host process's collector alone."""
+    import gc
+
+    settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
+                               admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600)
+    settings.validate()
+    engine = FlakyTransport(build_app(str(tiny_model_dir), ["hi"], tokenizer=tokenizer))
+    assert gc.get_freeze_count() == 0
+    try:
+        async with httpx.AsyncClient(transport=engine) as engine_http:
+            plain = create_app(settings, http=engine_http, tokenizer=tokenizer)
+            async with plain.router.lifespan_context(plain):
+                assert gc.get_freeze_count() == 0
+            served = create_app(settings, http=engine_http, tokenizer=tokenizer, freeze_gc=True)
+            async with served.router.lifespan_context(served):
+                assert gc.get_freeze_count() > 10_000  # modules, tokenizer, template, clients
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=served), base_url="http://gw") as http:
+                    resp = await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {AGENT}"},
+                                           json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+                    assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "hi"
+    finally:
+        gc.unfreeze()

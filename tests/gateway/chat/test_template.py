@@ -353,3 +353,52 @@ def test_long_turns_bypass_the_segment_cache(tiny: ChatTemplate, tiny_tok: PreTr
     long_text = "word " * (SEGMENT_CACHE_MAX_CHARS // 4)
     messages = [{"role": "user", "content": long_text}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "x"}]
     assert tiny.render(messages) == reference(tiny_tok, messages, None)
+
+
+# ---------------------------------------------------------------------------- the render cache
+
+
+def test_render_cache_answers_repeated_prompts_with_the_same_text(tiny_tok: PreTrainedTokenizerBase) -> None:
+    """A GRPO group sends its root prompt once per member: rendered once, then looked up, same tokens."""
+    template = ChatTemplate(tiny_tok)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    first = template.render(messages, TOOLS)
+    assert first == reference(tiny_tok, messages, TOOLS)
+    assert template._renders is not None and template._renders.hits == 0
+    for _ in range(3):
+        assert template.render(messages, TOOLS) == first
+    assert template._renders.hits == 3
+    # any difference in the inputs is another rendering: content, tools, the generation prompt, key order
+    other = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    assert template.render(other, TOOLS) == reference(tiny_tok, other, TOOLS)
+    assert template.render(messages) == reference(tiny_tok, messages, None)
+    reordered = [{"type": "function", "function": {"parameters": TOOLS[0]["function"]["parameters"],
+                                                   "name": "get_weather",
+                                                   "description": "Current weather in a city"}}]
+    assert template.render_text(messages, reordered) == tiny_tok.apply_chat_template(
+        messages, tools=reordered, add_generation_prompt=True, tokenize=False)
+    assert template.render_text(messages, reordered) != template.render_text(messages, TOOLS)
+    assert template._renders.hits == 5  # the reordered tools' second rendering and TOOLS' were looked up
+
+
+def test_render_cache_is_off_for_templates_that_read_the_clock(tiny_model_dir: Path) -> None:
+    """strftime_now puts today's date in the prompt: a cached rendering would go stale at midnight."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = "{{ strftime_now('%d %b %Y') }}\n" + tok.chat_template
+    template = ChatTemplate(tok)
+    assert template._renders is None
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.render(messages) == reference(tok, messages, None)
+
+
+def test_inputs_that_are_not_plain_json_are_rendered_uncached(tiny_tok: PreTrainedTokenizerBase) -> None:
+    class Odd:
+        def __str__(self) -> str:
+            return "odd"
+
+    template = ChatTemplate(tiny_tok)
+    assert template._renders is not None
+    kept = len(template._renders)  # the start-up probes' renderings
+    messages = [{"role": "user", "content": "hi", "name": Odd()}]
+    assert template.render_text(messages) == template.render_text(messages)
+    assert len(template._renders) == kept and template._renders.hits == 0
