@@ -5,7 +5,10 @@ with an agent key, every turn recorded), then measures with `wrk` (one thread, a
 costs little next to the servers) for each scenario and concurrency, `--runs` times, and prints medians:
 
 - `upstream`: the stand-in's `/generate` directly (the floor "added" latency is measured against);
-- `turn 1`: a single-turn chat request (each one a new implicit episode: a root turn);
+- `turn 1`: a single-turn chat request (each one a new implicit episode: a root turn), always the same
+  prompt, as the members of a GRPO group send it: after the first, its rendering comes from the render cache;
+- `turn 1 unique`: the same, but every request's question carries its own number (wrk's Lua counts), so no
+  two prompts are equal and every one is rendered by the chat template;
 - `turn 2`, `turn 20`: the last turn of a growing 20-turn conversation (the history is recorded once
   first, so every request is a child turn of turn 1 / turn 19: a sibling under the same parent).
 
@@ -69,6 +72,17 @@ def lua(body: dict[str, object], auth: str | None) -> str:
              'wrk.headers["Content-Type"] = "application/json"']
     if auth:
         lines.append(f'wrk.headers["Authorization"] = "Bearer {auth}"')
+    return "\n".join(lines) + "\n"
+
+
+def lua_unique(body: dict[str, object], auth: str | None) -> str:
+    """Like :func:`lua`, but each request replaces ``#N#`` in the body by a counter of its own."""
+    lines = [f"template = {json.dumps(json.dumps(body))}", "counter = 0", "request = function()",
+             "  counter = counter + 1",
+             '  local headers = {["Content-Type"] = "application/json"' + (
+                 f', ["Authorization"] = "Bearer {auth}"' if auth else "") + "}",
+             '  return wrk.format("POST", nil, headers, (string.gsub(template, "#N#", tostring(counter))))',
+             "end"]
     return "\n".join(lines) + "\n"
 
 
@@ -246,12 +260,16 @@ def main() -> int:
             for turn in (1, 2, 20):
                 targets[f"{label}turn {turn}"] = (url + "/v1/chat/completions", chat_body(turn), AGENT)
                 pids[f"{label}turn {turn}"] = procs_by_name[label].proc.pid
+            unique = chat_body(1)
+            unique["messages"] = [SYSTEM, {"role": "user", "content": "Question number #N#: what is 5 plus 7?"}]
+            targets[f"{label}turn 1 unique"] = (url + "/v1/chat/completions", unique, AGENT)
+            pids[f"{label}turn 1 unique"] = procs_by_name[label].proc.pid
         scenarios = [s for s in scenarios if s == "upstream"] + [
             f"{label}{s}" for s in scenarios if s != "upstream" for label in gateways]
         scripts = {}
         for name, (url, body, auth) in targets.items():
             scripts[name] = work / (name.replace(" ", "_") + ".lua")
-            scripts[name].write_text(lua(body, auth))
+            scripts[name].write_text((lua_unique if name.endswith("unique") else lua)(body, auth))
         for name in scenarios:  # warm-up
             wrk(targets[name][0], scripts[name], 4, 2)
         for run in range(args.runs):

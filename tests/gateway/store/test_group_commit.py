@@ -258,3 +258,36 @@ async def test_postgres_writer_connection_refused_is_store_unavailable(shared_pg
         assert [t.id for t in await store.session_interactions(session_id=session.id)] == ["pgw-accepted"]
     finally:
         await store.close()
+
+
+@pytest.mark.services
+async def test_postgres_writer_plans_each_statement_for_its_ids_as_the_tables_grow(pg_url: str) -> None:
+    """The writer's statements are prepared (asyncpg); PostgreSQL may then keep one generic plan per
+    connection, made while the tables were small: a sequential scan, kept as they grow until the next ANALYZE
+    (the gateway bench showed one scan of `interactions` every 4 turns). The writer's connection plans each
+    execution for its own ids, so a lookup by id stays an index scan however the table changed since."""
+    import asyncpg
+
+    store = await Store.open(pg_url)
+    admin = await asyncpg.connect(pg_url.replace("postgresql+asyncpg", "postgresql"))
+    try:
+        await admin.execute("ALTER TABLE interactions SET (autovacuum_enabled = false)")  # no ANALYZE meanwhile
+        session = await store.create_session()
+        await store.record_interactions([make_turn("grow-0", session.id, None, prompt=[1], output=[2])])
+        conn = store._writer._direct._conn
+        lookup = "SELECT id, session_id FROM interactions WHERE id = ANY($1::varchar[])"
+        statement = await conn.prepare(lookup)
+        for k in range(8):  # past PostgreSQL's five custom plans: a generic one could be cached now
+            await statement.fetch([f"grow-{k}"])
+        await admin.execute(
+            "INSERT INTO interactions (id, session_id, parent_id, chain_hash, request_hash, request, response_message, "
+            "prompt_ids, bridge_len, output_ids, output_logprobs, output_versions, finish_reason, timings, created_at) "
+            "SELECT 'bulk-' || g, $1, NULL, md5(g::text), md5(g::text), '{}', '{}', '', 0, '', '', '', 'stop', '{}', 0 "
+            "FROM generate_series(1, 20000) AS g", session.id)
+        plan = "\n".join(row[0] for row in await conn.fetch(f"EXPLAIN EXECUTE {statement.get_name()}('{{grow-0}}')"))
+        assert "Index" in plan and "Seq Scan" not in plan, plan
+        await store.record_interactions([make_turn("grow-1", session.id, "grow-0", prompt=[3], output=[4])])
+        assert [t.id for t in await store.session_interactions(session_id=session.id)][-1] == "grow-1"
+    finally:
+        await admin.close()
+        await store.close()
