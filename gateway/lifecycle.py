@@ -364,6 +364,7 @@ class TrajectoryService:
         self.staleness = StalenessControl(store.engine, default_group_size=settings.group_size,
                                           retry_after_s=settings.retry_after_s,
                                           sqlite_writer=getattr(store, "sqlite_writer", None),
+                                          postgres_statements=getattr(store, "postgres_statements", None),
                                           connection_slot=getattr(store, "connection_slot", None))
         self._task: asyncio.Task[None] | None = None
         self._stopping = False

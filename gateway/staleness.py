@@ -24,7 +24,10 @@ one conditional ``UPDATE`` (on PostgreSQL one autocommit statement that also rea
 refusal), so several gateway processes sharing a database share one budget exactly. On
 SQLite (one gateway process) :meth:`StalenessControl.admit` and :meth:`~StalenessControl.release` run as
 one call in the store's SQLite writer thread (``Store.sqlite_writer``: the same ``UPDATE`` in one hop off
-the event loop; an implicit-mode root turn asks for it on every request).
+the event loop; an implicit-mode root turn asks for it on every request); on PostgreSQL ``admit`` runs on
+the store's own asyncpg connection (``Store.postgres_statements``), not through SQLAlchemy's pool. Either
+way an admission whose caller is cancelled meanwhile (its client left) runs to its end and gives back what
+it charged.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -112,9 +115,17 @@ _ADMIT_ONE_STATEMENT = sa.text(
     "t.base_version, t.admitted FROM (SELECT 1) AS one LEFT JOIN trainer_state AS t ON t.id = :id")
 
 
+# The same on the store's own asyncpg connection (gateway.store.api.Store.postgres_statements)
+_ADMIT_ONE_STATEMENT_PG = (
+    "WITH upd AS (UPDATE trainer_state SET admitted = admitted + $1 WHERE id = $2 AND admitted + $1 <= "
+    "(staleness_bound + version - base_version + 1) * batch_size * group_size RETURNING id) "
+    "SELECT (SELECT count(*) FROM upd) AS done, t.version, t.batch_size, t.staleness_bound, t.group_size, "
+    "t.base_version, t.admitted FROM (SELECT 1) AS one LEFT JOIN trainer_state AS t ON t.id = $2")
+
+
 class StalenessControl:
     def __init__(self, engine: AsyncEngine, *, default_group_size: int, retry_after_s: float,
-                 sqlite_writer: Any | None = None,
+                 sqlite_writer: Any | None = None, postgres_statements: Any | None = None,
                  connection_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> None:
         self.engine = engine
         # Store.connection_slot: admit/release (on a request's path) wait their turn for a pool connection
@@ -123,6 +134,8 @@ class StalenessControl:
         self.retry_after_s = retry_after_s
         # gateway.store.writer.SqliteBatchWriter of the store on SQLite: admit/release run there in one hop
         self.sqlite_writer = sqlite_writer
+        # PostgreSQL: the store's own connection for admit (gateway.store.writer.PostgresBatchWriter)
+        self.postgres_statements = postgres_statements
 
     async def state(self) -> TrainerState | None:
         """The registered trainer's state, or None before any trainer registered."""
@@ -195,7 +208,9 @@ class StalenessControl:
         if is_eval or n <= 0:
             return 0
         if self.sqlite_writer is not None:
-            return await self._admit_sqlite(n)
+            return await self._shielded(self._in_sqlite(lambda conn: self._admit_sync(conn, n)))
+        if self.postgres_statements is not None:
+            return await self._shielded(self._admit_postgres(n))
         if self.engine.dialect.name != "postgresql":
             try:
                 async with self._slot(), self.engine.begin() as conn:
@@ -209,17 +224,29 @@ class StalenessControl:
         except SQLAlchemyError as exc:
             raise _unavailable(exc) from exc
         assert row is not None
-        if row.done:
-            return n
-        if row.version is None:
-            return 0  # no trainer registered: nothing to stay within
-        self._refuse(TrainerState(row.version, row.batch_size, row.staleness_bound, row.group_size,
-                                  row.base_version, row.admitted), n)
+        return self._admitted(row._mapping, n)
 
-    async def _admit_sqlite(self, n: int) -> int:
-        """:meth:`admit` as one transaction in the SQLite writer's thread. A caller cancelled meanwhile
-        (its client left) gives back what the transaction charged once it has committed."""
-        task = asyncio.ensure_future(self._in_sqlite(lambda conn: self._admit_sync(conn, n)))
+    async def _admit_postgres(self, n: int) -> int:
+        """:meth:`admit` as one autocommit statement on the store's own asyncpg connection."""
+        try:
+            row = await self.postgres_statements.fetchrow(_ADMIT_ONE_STATEMENT_PG, n, _ROW)  # type: ignore[union-attr]
+        except store_errors.StoreError as exc:
+            raise errors.StoreUnavailable(f"staleness state unavailable: {exc}") from exc
+        return self._admitted(row, n)
+
+    def _admitted(self, row: Any, n: int) -> int:
+        """``n`` if the one-statement admission counted them, 0 with no trainer registered; else refuse."""
+        if row["done"]:
+            return n
+        if row["version"] is None:
+            return 0  # no trainer registered: nothing to stay within
+        self._refuse(TrainerState(row["version"], row["batch_size"], row["staleness_bound"], row["group_size"],
+                                  row["base_version"], row["admitted"]), n)
+
+    async def _shielded(self, admission: Awaitable[int]) -> int:
+        """An admission that runs to its end even if the caller is cancelled meanwhile (its client left);
+        then what it charged is given back once it has committed."""
+        task = asyncio.ensure_future(admission)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:

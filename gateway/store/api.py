@@ -162,6 +162,9 @@ class Store:
                                if self._is_sqlite else None)
         # the PostgreSQL writer connects with the asyncpg arguments SQLAlchemy derives from the same URL
         direct = self._sqlite_writer or PostgresBatchWriter.for_engine(write_engine)
+        # PostgreSQL: a connection of its own for one-statement writes on the request path (the staleness
+        # admission of a new episode), without the pool's checkout and SQLAlchemy's statement machinery
+        self._pg_statements = None if self._is_sqlite else PostgresBatchWriter.for_engine(write_engine)
         self._writer = GroupCommitWriter(
             self._write_tx,
             lock_rows=not self._is_sqlite,
@@ -255,6 +258,8 @@ class Store:
             return
         self._closed = True
         await self._writer.close()
+        if self._pg_statements is not None:
+            await self._pg_statements.close()
         if self._redis is not None:
             await self._redis.close()
         await _dispose(self._engine, self._write_engine)
@@ -275,6 +280,12 @@ class Store:
         """On SQLite, the group commit's own connection and thread (``run(fn)``: ``fn(sqlite3_conn)`` in one
         write transaction, one hop off the event loop) for other hot-path writes; None on PostgreSQL."""
         return self._sqlite_writer
+
+    @property
+    def postgres_statements(self) -> PostgresBatchWriter | None:
+        """On PostgreSQL, a connection of the store's own for one-statement writes on the request path
+        (``fetchrow(sql, *args)``, autocommit, callers take turns); None on SQLite."""
+        return self._pg_statements
 
     @property
     def redis(self) -> Any | None:

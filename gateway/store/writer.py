@@ -388,6 +388,7 @@ class PostgresBatchWriter:
         self._args = list(connect_args)
         self._kwargs = kwargs
         self._conn: Any = None
+        self._turn = asyncio.Lock()  # fetchrow's callers (the group commit has one caller: its task)
 
     @classmethod
     def for_engine(cls, engine: Any, connect_args: dict[str, Any] | None = None) -> PostgresBatchWriter:
@@ -407,12 +408,26 @@ class PostgresBatchWriter:
     async def write(self, batch: list[_Job]) -> list[tuple[int, StoreError]]:
         """One batch of the group commit in one transaction (its failed jobs' indexes and errors; the rest
         is committed). Database errors are raised as StoreError."""
+
+        async def in_transaction(conn: Any) -> list[tuple[int, StoreError]]:
+            async with conn.transaction():
+                return await _write_postgres(conn, batch)
+
+        return await self._on_connection(in_transaction)
+
+    async def fetchrow(self, sql: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        """One statement in autocommit, its first row (callers take turns on the connection). Database
+        errors are raised as StoreError; a statement cut off (timeout, cancelled) drops the connection."""
+        async with self._turn:
+            return await self._on_connection(lambda conn: conn.fetchrow(sql, *args, timeout=timeout_s))
+
+    async def _on_connection(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        """``work(conn)`` on the connection, opened first if needed; errors translated as in ``write``."""
         try:
             if self._conn is None or self._conn.is_closed():
                 self._conn = None
                 self._conn = await self._connect()
-            async with self._conn.transaction():
-                return await _write_postgres(self._conn, batch)
+            return await work(self._conn)
         except Exception as exc:
             if isinstance(exc, StoreError):
                 raise
@@ -475,18 +490,26 @@ _PG_INSERT_SESSION = _pg_insert(schema.sessions)
 _PG_INSERT_INTERACTION = _pg_insert(schema.interactions)
 
 
+# the batch's checks in one statement: its sessions' status, locked in id order (FOR UPDATE, so no
+# deadlocks), and which of its turns' ids and parents' ids exist, in which session
+_PG_CHECK = (
+    "WITH s AS (SELECT id, status FROM sessions WHERE id = ANY($1::varchar[]) ORDER BY id FOR UPDATE) "
+    "SELECT 's', id, status FROM s UNION ALL "
+    "SELECT 'i', id, session_id FROM interactions WHERE id = ANY($2::varchar[])")
+
+
 async def _write_postgres(conn: Any, batch: list[_Job]) -> list[tuple[int, StoreError]]:
     """:func:`_write_sqlite` on an ``asyncpg`` connection (inside its transaction); the sessions' rows are
     locked (``FOR UPDATE``, in id order, so no deadlocks) against concurrent status changes."""
     session_ids = sorted({it.session_id for job in batch for it in job.interactions})
-    status: dict[str, str] = {row[0]: row[1] for row in await conn.fetch(
-        "SELECT id, status FROM sessions WHERE id = ANY($1::varchar[]) ORDER BY id FOR UPDATE", session_ids)}
-    for job in batch:
-        status.update({row["id"]: row["status"] for row in job.sessions if row["id"] not in status})
     wanted = list({it.id for job in batch for it in job.interactions}
                   | {it.parent_id for job in batch for it in job.interactions if it.parent_id})
-    known: dict[str, str] = {row[0]: row[1] for row in await conn.fetch(
-        "SELECT id, session_id FROM interactions WHERE id = ANY($1::varchar[])", wanted)}
+    status: dict[str, str] = {}
+    known: dict[str, str] = {}
+    for kind, key, value in await conn.fetch(_PG_CHECK, session_ids, wanted):  # one round trip for both
+        (status if kind == "s" else known)[key] = value
+    for job in batch:
+        status.update({row["id"]: row["status"] for row in job.sessions if row["id"] not in status})
     failed, ok = _checked(batch, status, known)
     created = [row for job in ok for row in job.sessions]
     if created:

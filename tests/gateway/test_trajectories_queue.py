@@ -7,6 +7,7 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from agentrl.trajectory import decode_batch, encode_batch, export_concat, merge_batches, Turn
@@ -177,21 +178,51 @@ async def test_staleness_admission_in_the_sqlite_writer_thread(tmp_path):
     try:
         control = StalenessControl(engine, default_group_size=2, retry_after_s=3, sqlite_writer=writer)
         await _admission_checks(control)
-        # a caller cancelled while its admission runs in the writer thread gives the charge back
-        before = (await control.state()).admitted
-        task = asyncio.ensure_future(control.admit())
-        await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if (await control.state()).admitted == before:
-                break
-        assert (await control.state()).admitted == before
+        await _cancelled_admission_gives_back(control)
     finally:
         await writer.close()
         await engine.dispose()
+
+
+@pytest.mark.services
+async def test_staleness_admission_on_the_stores_own_postgres_connection(pg_url):
+    """On PostgreSQL, admit runs on the store's own asyncpg connection (not SQLAlchemy's pool): same rules,
+    the same give-back when the caller is cancelled, and a lost connection is a 503 that the next
+    admission recovers from."""
+    from gateway.store.writer import PostgresBatchWriter
+
+    await upgrade(pg_url)
+    engine = create_async_engine(pg_url)
+    statements = PostgresBatchWriter.for_engine(engine)
+    try:
+        control = StalenessControl(engine, default_group_size=2, retry_after_s=3, postgres_statements=statements)
+        await _admission_checks(control)
+        await _cancelled_admission_gives_back(control)
+        pid = statements._conn.get_server_pid()
+        async with engine.connect() as conn:  # the server ends the connection (a restart, say)
+            await conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        before = (await control.state()).admitted
+        with pytest.raises(errors.StoreUnavailable, match="staleness state unavailable"):
+            await control.admit()
+        assert await control.admit() == 1 and (await control.state()).admitted == before + 1
+    finally:
+        await statements.close()
+        await engine.dispose()
+
+
+async def _cancelled_admission_gives_back(control: StalenessControl) -> None:
+    """A caller cancelled while its admission runs gives the charge back once it has committed."""
+    before = (await control.state()).admitted
+    task = asyncio.ensure_future(control.admit())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if (await control.state()).admitted == before:
+            break
+    assert (await control.state()).admitted == before
 
 
 async def _admission_checks(control: StalenessControl) -> None:
