@@ -69,7 +69,8 @@ from gateway.store.rows import (
 )
 from gateway.store.seqcache import SequenceCache, TurnCache
 from gateway.store.tree import parents_first, tree_json
-from gateway.store.writer import SQLITE_PRAGMAS, GroupCommitWriter, PostgresBatchWriter, SqliteBatchWriter
+from gateway.store.writer import (PG_SERVER_SETTINGS, SQLITE_PRAGMAS, GroupCommitWriter, PostgresBatchWriter,
+                                  SqliteBatchWriter)
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,8 @@ class Store:
             event.listen(write_engine.sync_engine, "connect", _sqlite_pragmas_autobegin_off)
             event.listen(write_engine.sync_engine, "begin", _sqlite_begin_immediate)
         else:
-            engine = write_engine = create_async_engine(url, pool_size=10, max_overflow=20)
+            engine = write_engine = create_async_engine(url, pool_size=10, max_overflow=20,
+                                                        connect_args={"server_settings": PG_SERVER_SETTINGS})
         try:
             async with db_errors(), engine.connect() as conn:
                 await conn.execute(sa.select(schema.sessions.c.id).limit(1))

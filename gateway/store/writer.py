@@ -57,6 +57,14 @@ SQLITE_PRAGMAS = (
 )
 
 
+# What every PostgreSQL connection of the store sets (the SQLAlchemy pool's and the writers' own): plan each
+# statement for its parameters. asyncpg prepares statements, and after five executions PostgreSQL may keep
+# one generic plan for the connection's life. Planned while the tables were small (a new database), it
+# stayed as they grew, until the next ANALYZE: a sequential scan of `interactions` per group-commit batch,
+# and the lifecycle tick's query as a nested loop, 17.6 s for one tick over 9,000 active sessions.
+PG_SERVER_SETTINGS = {"plan_cache_mode": "force_custom_plan"}
+
+
 @dataclass(slots=True)
 class _Job:
     interactions: Sequence[Interaction]
@@ -380,11 +388,7 @@ class PostgresBatchWriter:
         kwargs.pop("prepared_statement_cache_size", None)
         kwargs.pop("prepared_statement_name_func", None)
         kwargs.setdefault("timeout", 10)
-        # Plan every statement for its own id lists. asyncpg prepares them, and after five executions
-        # PostgreSQL may keep one generic plan for the connection's life: planned while the tables were
-        # small (a new database), that plan is a sequential scan, which it kept as the tables grew until
-        # the next ANALYZE (seen: one scan of `interactions` per 4 turns in the gateway bench).
-        kwargs["server_settings"] = {"plan_cache_mode": "force_custom_plan", **(kwargs.get("server_settings") or {})}
+        kwargs["server_settings"] = {**PG_SERVER_SETTINGS, **(kwargs.get("server_settings") or {})}
         self._args = list(connect_args)
         self._kwargs = kwargs
         self._conn: Any = None

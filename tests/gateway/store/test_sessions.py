@@ -132,3 +132,35 @@ async def test_lifecycle_candidates_leave_out_idle_sessions_waiting_for_a_reward
     got = await store.lifecycle_sessions(idle_before=later, timeout_before=0.0)
     assert {s.id for s in got} == {m.id for m in members} | {other.id}
     assert await store.lifecycle_sessions(idle_before=0.0, timeout_before=0.0) == []
+
+
+@pytest.mark.services
+async def test_lifecycle_query_stays_cheap_when_the_tables_grew_after_it_was_first_planned(pg_url: str) -> None:
+    """The lifecycle tick's query runs every 0.5 s. Prepared by asyncpg and first run on a new, empty database,
+    PostgreSQL kept a generic plan for it (a nested loop over the sessions) as the table grew: one tick over
+    9,000 active sessions of one group took 17.6 s of a core (seen in the gateway bench, 2026-12-01). The
+    store's connections plan every statement for its parameters. Here the database cuts any statement off
+    after 5 s, far above what the query needs (milliseconds), far below what the stale plan took."""
+    import time
+
+    import asyncpg
+
+    admin = await asyncpg.connect(pg_url.replace("postgresql+asyncpg", "postgresql"))
+    await admin.execute(f"ALTER DATABASE {pg_url.rsplit('/', 1)[1]} SET statement_timeout = '5s'")
+    store = await Store.open(pg_url)
+    try:
+        await admin.execute("ALTER TABLE sessions SET (autovacuum_enabled = false)")  # no ANALYZE meanwhile
+        now = time.time()
+        for _ in range(8):  # past PostgreSQL's five custom plans, on an empty table
+            assert await store.lifecycle_sessions(idle_before=now - 300, timeout_before=now - 900) == []
+        await admin.execute(
+            "INSERT INTO sessions (id, key_hash, group_id, task_id, metadata, status, is_eval, reward, version, "
+            "created_at, finished_at, last_activity_at) SELECT 'grown-' || g, md5(g::text), 'one-group', NULL, '{}', "
+            "'active', false, NULL, 0, $1, NULL, $1 FROM generate_series(1, 9000) AS g", now)
+        assert await store.lifecycle_sessions(idle_before=now - 300, timeout_before=now - 900) == []
+        await store.finish_session(session_id="grown-1")  # now the group is returned whole
+        got = await store.lifecycle_sessions(idle_before=now - 300, timeout_before=now - 900)
+        assert len(got) == 9000 and {s.group_id for s in got} == {"one-group"}
+    finally:
+        await store.close()
+        await admin.close()
