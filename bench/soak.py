@@ -77,6 +77,34 @@ def open_fds(pid: int) -> int:
         return 0
 
 
+def agent_connections(pid: int, port: int) -> int:
+    """The clients' connections the process has accepted on ``port``: its socket descriptors whose TCP
+    entry is an established connection with that local port (its database and Redis connections, and
+    connections still waiting in the listen queue, are not counted)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                inodes.add(fields[9])
+    held = 0
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                held += 1
+    except OSError:
+        return 0
+    return held
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -115,8 +143,9 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if traced is not None:
             signal_census(pid, traced, 0)
 
+        t0 = time.monotonic()  # the load's start: samples and the ramp are timed from here
+
         def sample() -> None:
-            t0 = time.monotonic()
             while not stop.is_set():
                 samples.append((time.monotonic() - t0, rss_mb(pid), open_fds(pid)))
                 if census_at and samples[-1][0] >= census_at[0]:
@@ -125,7 +154,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 stop.wait(1.0)
 
         out["rss_idle_mb"] = rss_mb(pid)
-        idle_fds = open_fds(pid)
+        port = int(base.rsplit(":", 1)[1])
         argv = bench.wrk_argv(base + "/v1/chat/completions", concurrency=args.agents,
                               duration_s=args.ramp + args.seconds, mode="session", turns=args.turns, stream=False,
                               key=bench.AGENT, tag=uuid.uuid4().hex[:6], timeout_s=CLIENT_TIMEOUT_S)
@@ -136,8 +165,8 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         def stop_wrk_after_the_window() -> None:
             while not stop.wait(0.5):
-                if not ramp and samples and samples[-1][2] >= idle_fds + args.agents - 5:
-                    ramp.append(samples[-1][0])
+                if not ramp and samples and agent_connections(pid, port) >= args.agents:
+                    ramp.append(time.monotonic() - t0)
                     print(f"soak: all agents connected after {ramp[0]:.0f} s; {args.seconds:g} s from now",
                           flush=True)
                 if ramp and samples[-1][0] >= ramp[0] + args.seconds:

@@ -117,10 +117,13 @@ class ChatTemplate:
 
     # ------------------------------------------------------------------------------------ rendering
 
-    def _apply(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> str:
+    def _apply(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool,
+               cache: bool = True) -> str:
         """The template's text for ``messages``, through the render cache (keyed by the exact JSON of the
-        inputs, key order kept: a template may print a tool's keys in order)."""
-        if self._renders is None:
+        inputs, key order kept: a template may print a tool's keys in order). ``cache=False`` for renderings
+        that hold a turn's new messages or a whole history: they do not come back, and would only push
+        out those that do (root prompts, stand-in conversations)."""
+        if self._renders is None or not cache:
             return self._render(messages, tools, generation_prompt)
         try:
             key = orjson.dumps((messages, tools, generation_prompt))
@@ -152,8 +155,9 @@ class ChatTemplate:
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
         return text
 
-    def _ids(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool) -> list[int]:
-        return self._tokens(self._apply(messages, tools, generation_prompt))
+    def _ids(self, messages: Sequence[Mapping[str, Any]], tools: Tools, generation_prompt: bool,
+             cache: bool = True) -> list[int]:
+        return self._tokens(self._apply(messages, tools, generation_prompt, cache))
 
     def _tokens(self, text: str) -> list[int]:
         """``encode(text)``, turn by turn through the segment cache when the tokenizer allows it."""
@@ -269,7 +273,7 @@ class ChatTemplate:
         eot_text = self._end_of_turn_text
         if self.splits_at_end_of_turn and eot_text is not None:
             before_text = self._apply(prefix, tools, False)
-            after_text = self._apply([*prefix, *new_messages], tools, True)
+            after_text = self._apply([*prefix, *new_messages], tools, True, cache=False)
             cut = before_text.rfind(eot_text)
             if not after_text.startswith(before_text):
                 return "prefix_mismatch"
@@ -277,7 +281,7 @@ class ChatTemplate:
                 return "no_end_of_turn"
             return self.end_of_turn_ids[0], self._tokens(after_text[cut + len(eot_text) :])
         before = self._ids(prefix, tools, False)
-        after = self._ids([*prefix, *new_messages], tools, True)
+        after = self._ids([*prefix, *new_messages], tools, True, cache=False)
         if after[: len(before)] != before:
             return "prefix_mismatch"
         k = self._turn_end(before)
@@ -350,7 +354,7 @@ class ChatTemplate:
         if not parent_full_ids:
             return True
         following = list(new_messages) if new_messages else [{"role": "user", "content": "."}]
-        rendered = self._ids([*history_messages, *following], tools, False)
+        rendered = self._ids([*history_messages, *following], tools, False, cache=False)
         stitched = list(parent_full_ids)
         if stitched[-1] not in self.end_of_turn_ids:
             stitched.append(self.end_of_turn_ids[0])

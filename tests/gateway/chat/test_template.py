@@ -402,3 +402,21 @@ def test_inputs_that_are_not_plain_json_are_rendered_uncached(tiny_tok: PreTrain
     messages = [{"role": "user", "content": "hi", "name": Odd()}]
     assert template.render_text(messages) == template.render_text(messages)
     assert len(template._renders) == kept and template._renders.hits == 0
+
+
+def test_render_cache_keeps_what_comes_back_not_each_turns_new_messages(tiny_tok: PreTrainedTokenizerBase) -> None:
+    """A stitched turn renders a stand-in conversation (the same for every turn with this system prompt and
+    tools: kept) and the stand-in followed by the turn's new messages (never seen again: not kept); a drift
+    check renders a whole history (not kept either). Only the stand-in stays in the cache."""
+    template = ChatTemplate(tiny_tok)
+    assert template._renders is not None
+    convo = Conversation(template, tiny_tok, None)
+    convo.turn([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}], "Hello!", ended=True)
+    kept = len(template._renders)  # the start-up probes' renderings and the root's
+    for k in range(5):
+        new = [{"role": "user", "content": f"Question {k}?"}]
+        cont = template.continuation(convo.messages, new, None, convo.last_output, "stop")
+        assert convo.full + cont.prompt_ids == reference(tiny_tok, [*convo.messages, *new], None)
+        template.drift(convo.full, convo.messages, None, new)
+    assert len(template._renders) == kept + 1  # the stand-in conversation, rendered once, looked up 4 times
+    assert template._renders.hits >= 4
