@@ -17,6 +17,7 @@ from gateway.engine_client import EngineClient, EngineRouter, SamplingParams
 from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
 from gateway.fasthttp import FastHTTP, lines
 from tests.gateway.test_engine_client import EOT, FakeEngine, body, collect
+from tests.gateway.asgi import request_body
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
 
@@ -34,12 +35,7 @@ class Served:
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        data = b""
-        while True:
-            message = await receive()
-            data += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        data = await request_body(receive)
         self.requests.append(scope["path"])
         request = httpx.Request(scope["method"], f"http://e{scope['path']}", content=data,
                                 headers=[(k.decode(), v.decode()) for k, v in scope["headers"]])

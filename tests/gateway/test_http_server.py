@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 
 from gateway.http_server import protocol
+from tests.gateway.asgi import request_body
 from tests.gateway.conftest import GatewayProc
 
 HEADER_TIMEOUT_S = 1.0
@@ -190,12 +191,7 @@ async def test_a_response_head_and_body_go_out_in_one_write_and_streams_are_not_
             await receive()
             await send({"type": "lifespan.shutdown.complete"})
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await request_body(receive)
         if scope["path"] == "/stream":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": b"first", "more_body": True})
