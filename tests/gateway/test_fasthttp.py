@@ -16,8 +16,8 @@ import uvicorn
 from gateway.engine_client import EngineClient, EngineRouter, SamplingParams
 from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
 from gateway.fasthttp import FastHTTP, lines
-from tests.gateway.test_engine_client import EOT, FakeEngine, body, collect
 from tests.gateway.asgi import request_body
+from tests.gateway.test_engine_client import EOT, FakeEngine, body, collect
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
 
