@@ -108,19 +108,14 @@ def _unavailable(exc: SQLAlchemyError) -> errors.StoreUnavailable:
 # PostgreSQL: admit() as one statement in autocommit (one round trip): the conditional UPDATE, and the
 # state as it was before it (what a refusal reports; the UPDATE did nothing then). READ COMMITTED
 # re-checks the UPDATE's condition after waiting for a concurrent admission's row lock, as before.
-_ADMIT_ONE_STATEMENT = sa.text(
-    "WITH upd AS (UPDATE trainer_state SET admitted = admitted + :n WHERE id = :id AND admitted + :n <= "
-    "(staleness_bound + version - base_version + 1) * batch_size * group_size RETURNING id) "
-    "SELECT (SELECT count(*) FROM upd) AS done, t.version, t.batch_size, t.staleness_bound, t.group_size, "
-    "t.base_version, t.admitted FROM (SELECT 1) AS one LEFT JOIN trainer_state AS t ON t.id = :id")
-
-
-# The same on the store's own asyncpg connection (gateway.store.api.Store.postgres_statements)
+# ``$1`` = n, ``$2`` = the row's id, as the store's own asyncpg connection takes it
+# (gateway.store.api.Store.postgres_statements); the same through SQLAlchemy for a bare engine.
 _ADMIT_ONE_STATEMENT_PG = (
     "WITH upd AS (UPDATE trainer_state SET admitted = admitted + $1 WHERE id = $2 AND admitted + $1 <= "
     "(staleness_bound + version - base_version + 1) * batch_size * group_size RETURNING id) "
     "SELECT (SELECT count(*) FROM upd) AS done, t.version, t.batch_size, t.staleness_bound, t.group_size, "
     "t.base_version, t.admitted FROM (SELECT 1) AS one LEFT JOIN trainer_state AS t ON t.id = $2")
+_ADMIT_ONE_STATEMENT = sa.text(_ADMIT_ONE_STATEMENT_PG.replace("$1", ":n").replace("$2", ":id"))
 
 
 class StalenessControl:
