@@ -650,28 +650,21 @@ class Store:
             rows = (await conn.execute(query)).mappings().all()
         return [session_from_row(row) for row in rows]
 
-    async def lifecycle_sessions(self, *, quiet_before: float | None = None, idle_before: float | None = None,
-                                 timeout_before: float | None = None) -> list[SessionRecord]:
+    async def lifecycle_sessions(self, *, idle_before: float, timeout_before: float) -> list[SessionRecord]:
         """What one lifecycle tick must look at, selected in SQL so that the finished history is never read:
         every active or finished session of each group id that has a finished session, or an active one
         that can move: idle since ``idle_before`` and rewarded (an idle-finish candidate: a session reward
         or any reward event), or idle since ``timeout_before`` (a group-timeout candidate); oldest first.
-        ``quiet_before`` instead selects every active session idle since then, rewarded or not. A group id
-        is returned whole (all its live sessions), so that it is cut into GRPO groups as the full list
-        would be. (Idle sessions that wait for a reward are left out until their group times out: they used
-        to be selected, with their whole group, on every tick.)"""
+        A group id is returned whole (all its live sessions), so that it is cut into GRPO groups as the
+        full list would be. (Idle sessions that wait for a reward are left out until their group times
+        out: they used to be selected, with their whole group, on every tick.)"""
         s = schema.sessions
         r = schema.reward_events
-        movable = []
-        if quiet_before is not None:
-            movable.append(sa.and_(s.c.status == "active", s.c.last_activity_at <= quiet_before))
-        if timeout_before is not None:
-            movable.append(sa.and_(s.c.status == "active", s.c.last_activity_at <= timeout_before))
-        if idle_before is not None:
-            rewarded = sa.or_(s.c.reward.is_not(None),
-                              sa.exists(sa.select(r.c.id).where(r.c.session_id == s.c.id)))
-            movable.append(sa.and_(s.c.status == "active", s.c.last_activity_at <= idle_before, rewarded))
-        hot = sa.select(s.c.group_id).where(sa.or_(s.c.status == "finished", *movable))
+        rewarded = sa.or_(s.c.reward.is_not(None), sa.exists(sa.select(r.c.id).where(r.c.session_id == s.c.id)))
+        hot = sa.select(s.c.group_id).where(sa.or_(
+            s.c.status == "finished",
+            sa.and_(s.c.status == "active", s.c.last_activity_at <= timeout_before),
+            sa.and_(s.c.status == "active", s.c.last_activity_at <= idle_before, rewarded)))
         query = (sa.select(s).where(s.c.status.in_(("active", "finished")), s.c.group_id.in_(hot))
                  .order_by(s.c.created_at, s.c.id))
         async with self._read() as conn:
