@@ -137,9 +137,9 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             base, pid = start_traced_gateway(procs, upstream, db, extra, traced)
         samples: list[tuple[float, float, int]] = []  # (seconds, RSS MB, open file descriptors)
         stop = threading.Event()
-        # a traced gateway starts tracing and writes what it holds before the load, then right after the
-        # warm-up, 3 s before the load ends and 10 s after it (census 0 to 3)
-        census_at = [args.warmup, args.seconds - 3] if traced else []
+        # a traced gateway starts tracing and writes what it holds before the load, then when every agent is
+        # connected (the window's start), 3 s before the window ends and 10 s after the load (census 0 to 3)
+        census = [1, 2] if traced else []
         if traced is not None:
             signal_census(pid, traced, 0)
 
@@ -148,9 +148,6 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         def sample() -> None:
             while not stop.is_set():
                 samples.append((time.monotonic() - t0, rss_mb(pid), open_fds(pid)))
-                if census_at and samples[-1][0] >= census_at[0]:
-                    census_at.pop(0)
-                    os.kill(pid, signal.SIGUSR1)  # census 1, then 2
                 stop.wait(1.0)
 
         out["rss_idle_mb"] = rss_mb(pid)
@@ -169,6 +166,12 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     ramp.append(time.monotonic() - t0)
                     print(f"soak: all agents connected after {ramp[0]:.0f} s; {args.seconds:g} s from now",
                           flush=True)
+                    if census:
+                        os.kill(pid, signal.SIGUSR1)  # census 1
+                        census.pop(0)
+                if ramp and census and time.monotonic() - t0 >= ramp[0] + args.seconds - 3:
+                    os.kill(pid, signal.SIGUSR1)  # census 2
+                    census.pop(0)
                 if ramp and samples[-1][0] >= ramp[0] + args.seconds:
                     wrk.send_signal(signal.SIGINT)  # wrk stops and prints its results
                     return
