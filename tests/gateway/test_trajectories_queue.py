@@ -7,13 +7,13 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from agentrl.trajectory import decode_batch, encode_batch, export_concat, merge_batches, Turn
 from gateway import errors
 from gateway.queue import QueuedGroup, RedisQueue, SqlQueue, lease_meta
 from gateway.staleness import StalenessControl
+from gateway.store.errors import StoreUnavailable
 from gateway.store.migrate import upgrade
 from tests.conftest import REDIS_URL
 
@@ -198,12 +198,16 @@ async def test_staleness_admission_on_the_stores_own_postgres_connection(pg_url)
         control = StalenessControl(engine, default_group_size=2, retry_after_s=3, postgres_statements=statements)
         await _admission_checks(control)
         await _cancelled_admission_gives_back(control)
-        pid = statements._conn.get_server_pid()
-        async with engine.connect() as conn:  # the server ends the connection (a restart, say)
-            await conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        # the server ends the connection in the middle of a statement (a restart, say): a 503, deterministic
+        # (ending it from another connection races with the client noticing, which then reconnects silently)
+        with pytest.raises(StoreUnavailable, match="connection"):
+            await statements.fetchrow("SELECT pg_terminate_backend(pg_backend_pid())")
         before = (await control.state()).admitted
+        good = dict(statements._kwargs)
+        statements._kwargs["port"] = 1  # while the database cannot be reached, admission is a 503 ...
         with pytest.raises(errors.StoreUnavailable, match="staleness state unavailable"):
             await control.admit()
+        statements._kwargs = good  # ... and the next one, once it can, connects again
         assert await control.admit() == 1 and (await control.state()).admitted == before + 1
     finally:
         await statements.close()
