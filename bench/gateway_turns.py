@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -44,6 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agentrl.procs import Processes  # noqa: E402
+from bench.gateway import REDIS_URL, clear_redis_prefix, pg_database  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 ADMIN, AGENT = "bench-admin", "bench-agent"
@@ -210,6 +212,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, database)")
     parser.add_argument("--base", default=None, help="also measure a gateway from this source tree, interleaved")
     parser.add_argument("--shares", default=None, help="only print the phase shares of an existing raw profile")
+    parser.add_argument("--db", choices=("sqlite", "postgres"), default="sqlite",
+                        help="sqlite (embedded, no Redis) or postgres (a fresh database each, with Redis)")
     args = parser.parse_args()
     if args.shares:
         print_shares(shares_of(Path(args.shares)), f"the profile {args.shares}")
@@ -220,7 +224,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-turns-"))
     results: dict[tuple[str, int], list[dict[str, float]]] = {}
-    with Processes(work / "logs") as procs:
+    with ExitStack() as stack, Processes(work / "logs") as procs:
         up_port, gw_port = free_port(), free_port()
         upstream, gateway = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
         child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
@@ -231,7 +235,15 @@ def main() -> int:
             gateways["base "] = f"http://127.0.0.1:{free_port()}"
         procs_by_name = {}
         for label, url in gateways.items():
-            argv = ["gateway", "--engine-url", upstream, "--db", f"sqlite+aiosqlite:///{work}/bench{label.strip()}.db",
+            if args.db == "postgres":
+                tag = label.strip() or "this"
+                prefix = f"agentrl-bench-turns-{tag}-{os.getpid()}:"
+                stack.callback(clear_redis_prefix, prefix)
+                db = ["--db", stack.enter_context(pg_database(f"turns_{tag}")), "--redis", REDIS_URL,
+                      "--redis-prefix", prefix]
+            else:
+                db = ["--db", f"sqlite+aiosqlite:///{work}/bench{label.strip()}.db"]
+            argv = ["gateway", "--engine-url", upstream, *db,
                     "--port", url.rsplit(":", 1)[1], "--admin-key", ADMIN, "--agent-key", AGENT,
                     "--log-level", "warning"]
             if label:  # the other source tree first on the path
@@ -285,7 +297,7 @@ def main() -> int:
         procs.check_alive()
 
     load = os.getloadavg()
-    print(f"\ngateway turns over an instant upstream: {os.cpu_count()} cores, load {load[0]:.2f}/{load[1]:.2f}, "
+    print(f"\ngateway turns over an instant upstream ({args.db}): {os.cpu_count()} cores, load {load[0]:.2f}/{load[1]:.2f}, "
           f"wrk -t1 -d{args.duration:g}s, median of {args.runs} runs")
     print(f"{'scenario':15s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'added p50':>10s} {'gateway CPU ms/turn':>20s}")
     for c in levels if args.runs else []:

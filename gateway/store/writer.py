@@ -393,6 +393,7 @@ class PostgresBatchWriter:
         self._kwargs = kwargs
         self._conn: Any = None
         self._turn = asyncio.Lock()  # fetchrow's callers (the group commit has one caller: its task)
+        self.checked_batches = 0  # batches the one-statement write did not take (written by the checks)
 
     @classmethod
     def for_engine(cls, engine: Any, connect_args: dict[str, Any] | None = None) -> PostgresBatchWriter:
@@ -411,7 +412,23 @@ class PostgresBatchWriter:
 
     async def write(self, batch: list[_Job]) -> list[tuple[int, StoreError]]:
         """One batch of the group commit in one transaction (its failed jobs' indexes and errors; the rest
-        is committed). Database errors are raised as StoreError."""
+        is committed). Database errors are raised as StoreError.
+
+        First as one statement (:data:`_PG_WRITE_ALL`: one round trip, no ``BEGIN``/``COMMIT``), which
+        writes the batch only if every job passes; if one does not (or the database refuses a row), nothing
+        of that statement was written and the batch goes through the checks job by job in a transaction
+        (:func:`_write_postgres`), which says which job failed and why."""
+        try:
+            args = _write_all_args(batch)
+        except (TypeError, ValueError, OverflowError):  # a value that cannot be written: said below, per job
+            args = None
+        if args is not None:
+            try:
+                if await self._on_connection(lambda conn: conn.fetchval(_PG_WRITE_ALL, *args)):
+                    return []
+            except (Conflict, NotFound, InvalidValue):
+                pass  # the transaction below finds the job it was, and fails only that one
+        self.checked_batches += 1
 
         async def in_transaction(conn: Any) -> list[tuple[int, StoreError]]:
             async with conn.transaction():
@@ -500,6 +517,74 @@ _PG_CHECK = (
     "WITH s AS (SELECT id, status FROM sessions WHERE id = ANY($1::varchar[]) ORDER BY id FOR UPDATE) "
     "SELECT 's', id, status FROM s UNION ALL "
     "SELECT 'i', id, session_id FROM interactions WHERE id = ANY($2::varchar[])")
+
+
+def _pg_unnest(table: sa.Table, first: int) -> tuple[str, list[tuple[str, bool]]]:
+    """``INSERT`` of every column of ``table`` from one array parameter per column (``unnest``, numbered
+    from ``$first``), and the row keys in that order with whether the column holds JSON."""
+    from sqlalchemy.dialects import postgresql
+
+    names = ", ".join(f'"{c.name}"' for c in table.columns)
+    arrays = ", ".join(f"${first + k}::{c.type.compile(dialect=postgresql.dialect())}[]"
+                       for k, c in enumerate(table.columns))
+    keys = [(c.key, isinstance(c.type, sa.JSON)) for c in table.columns]
+    return f'INSERT INTO "{table.name}" ({names}) SELECT * FROM unnest({arrays})', keys
+
+
+_PG_UNNEST_SESSION = _pg_unnest(schema.sessions, 5)
+_PG_UNNEST_INTERACTION = _pg_unnest(schema.interactions, 5 + len(schema.sessions.columns))
+
+# The whole batch in one statement, when every job passes the checks of _write_postgres (which is what
+# nearly always happens): the batch's existing sessions ($1) locked and all active, and the parents it does
+# not create itself ($2, in sessions $3) in the database, in the same sessions; then the new sessions, the
+# turns and the sessions' last activity ($4) are written. Otherwise it writes nothing and returns false.
+# One statement is one transaction and sees one snapshot: a parent committed by another process after it
+# began is not seen (false: the transaction path reads it), and what the database guarantees itself
+# (unique ids and key hashes, existing sessions and parents) is refused with an error (the same path then
+# says which job it was). A status changed meanwhile is seen: FOR UPDATE reads the newest row.
+_PG_WRITE_ALL = (
+    "WITH locked AS (SELECT id, status FROM sessions WHERE id = ANY($1::varchar[]) ORDER BY id FOR UPDATE), "
+    "verdict AS (SELECT (SELECT count(*) FROM locked WHERE status = 'active') = cardinality($1::varchar[]) "
+    "AND (SELECT count(*) FROM interactions i JOIN unnest($2::varchar[], $3::varchar[]) AS p(id, session_id) "
+    "ON i.id = p.id AND i.session_id = p.session_id) = cardinality($2::varchar[]) AS pass), "
+    f"new_sessions AS ({_PG_UNNEST_SESSION[0]} WHERE (SELECT pass FROM verdict)), "
+    f"new_turns AS ({_PG_UNNEST_INTERACTION[0]} WHERE (SELECT pass FROM verdict)), "
+    "touched AS (UPDATE sessions SET last_activity_at = $4 WHERE id = ANY($1::varchar[]) "
+    "AND (SELECT pass FROM verdict)) "
+    "SELECT pass FROM verdict")
+
+
+def _write_all_args(batch: list[_Job]) -> list[Any] | None:
+    """The parameters of :data:`_PG_WRITE_ALL` for ``batch``, or None when the batch itself shows that a
+    job fails (a turn id twice, a parent in another session, a new session that is not active): then only
+    the checks job by job can say which."""
+    created = {row["id"]: row for job in batch for row in job.sessions}
+    if any(row["status"] != "active" for row in created.values()):
+        return None
+    produced: dict[str, str] = {}
+    parents: dict[str, str] = {}
+    for job in batch:
+        for it in job.interactions:
+            if it.id in produced:
+                return None
+            if it.parent_id is not None:
+                session = produced.get(it.parent_id) or parents.setdefault(it.parent_id, it.session_id)
+                if session != it.session_id:
+                    return None
+            produced[it.id] = it.session_id
+    rows = [row for job in batch for row in job.rows]
+    if not rows:
+        return None
+    existing = sorted(set(produced.values()) - created.keys())
+    return [existing, list(parents), list(parents.values()), time.time(),
+            *_columns_of(list(created.values()), _PG_UNNEST_SESSION[1]),
+            *_columns_of(rows, _PG_UNNEST_INTERACTION[1])]
+
+
+def _columns_of(rows: list[dict[str, Any]], keys: list[tuple[str, bool]]) -> list[list[Any]]:
+    """``rows`` as one list per column (``unnest``'s arrays), values as :func:`_values` writes them."""
+    values = _values(rows, keys)
+    return [[value[k] for value in values] for k in range(len(keys))]
 
 
 async def _write_postgres(conn: Any, batch: list[_Job]) -> list[tuple[int, StoreError]]:

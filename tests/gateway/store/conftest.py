@@ -81,3 +81,11 @@ async def store(backend: Backend) -> AsyncIterator[Store]:
     st = await backend.open()
     yield st
     await st.close()
+
+
+@pytest.fixture
+async def pg_store(shared_pg_url: str) -> AsyncIterator[Store]:
+    """A store on the shared PostgreSQL database, without Redis (tests that reach into its writer)."""
+    st = await Store.open(shared_pg_url, migrate=False)
+    yield st
+    await st.close()

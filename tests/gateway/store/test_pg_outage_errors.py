@@ -52,6 +52,11 @@ OUTAGE_ERRORS: list[Callable[[], BaseException]] = [
 IDS = [f"{type(make()).__name__}:{str(make())[:24]}" for make in OUTAGE_ERRORS]
 
 
+# the calls of the writer's transaction path (gateway.store.writer._write_postgres); "fetchval" is the
+# one-statement write tried first
+TRANSACTION_CALLS = ("fetch", "executemany", "execute", "commit")
+
+
 def assert_503(exc: BaseException) -> None:
     """``exc`` is the store's StoreUnavailable, answered 503 with Retry-After by the gateway."""
     assert isinstance(exc, StoreUnavailable), repr(exc)
@@ -77,6 +82,14 @@ class FailingConnection:
             if self._lose:
                 self._conn.terminate()
             raise self._error
+
+    async def fetchval(self, *args: Any, **kwargs: Any) -> Any:
+        """The batch's one-statement write. When the failure is to come later, in the transaction path,
+        the statement answers false, as it does when its snapshot misses a parent committed meanwhile."""
+        self._fail("fetchval")
+        if self._where in TRANSACTION_CALLS and not self.fired:
+            return False
+        return await self._conn.fetchval(*args, **kwargs)
 
     async def fetch(self, *args: Any, **kwargs: Any) -> Any:
         self._fail("fetch")
@@ -118,15 +131,6 @@ class FailingConnection:
         return Transaction()
 
 
-@pytest.fixture
-async def pg_store(shared_pg_url: str) -> Any:
-    store = await Store.open(shared_pg_url, migrate=False)
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
 def _inject(store: Store, where: str, error: BaseException | None, lose: bool = False) -> list[Any]:
     """The writer's next connection fails at ``where`` (at connect itself when ``where`` is "connect")."""
     direct = store._writer._direct
@@ -148,7 +152,7 @@ def _inject(store: Store, where: str, error: BaseException | None, lose: bool = 
     return made
 
 
-@pytest.mark.parametrize("where", ["connect", "fetch", "executemany", "execute", "commit"])
+@pytest.mark.parametrize("where", ["connect", "fetchval", *TRANSACTION_CALLS])
 @pytest.mark.parametrize("make_error", OUTAGE_ERRORS, ids=IDS)
 async def test_writer_turns_every_asyncpg_outage_error_into_503(pg_store: Store, where: str,
                                                                 make_error: Callable[[], BaseException]) -> None:
@@ -167,7 +171,7 @@ async def test_writer_turns_every_asyncpg_outage_error_into_503(pg_store: Store,
     assert [t.id for t in await store.session_interactions(session_id=session.id)] == [f"inj-{where}-2-{tag}"]
 
 
-@pytest.mark.parametrize("where", ["fetch", "executemany", "commit"])
+@pytest.mark.parametrize("where", ["fetchval", "fetch", "executemany", "commit"])
 async def test_writer_error_of_unknown_kind_is_503_when_the_connection_is_gone_and_a_bug_otherwise(
         pg_store: Store, where: str) -> None:
     """An exception the translation does not know is an outage when it left the writer's connection
