@@ -181,7 +181,7 @@ class ImplicitIndex:
         """The session of the first hash (longest prefix first) that an implicit turn was stored under."""
         if not hashes:
             return None
-        redis = self.store.redis
+        redis = self.store.redis_hot
         if redis is not None:
             try:
                 values = await redis.mget([self._key(h) for h in hashes])
@@ -206,7 +206,7 @@ class ImplicitIndex:
 
     async def add(self, entries: Sequence[tuple[str, str]]) -> None:
         """Remember ``(chain_hash, session_id)`` of recorded implicit turns."""
-        redis = self.store.redis
+        redis = self.store.redis_hot
         if redis is not None:
             try:
                 async with redis.pipeline(transaction=False) as pipe:

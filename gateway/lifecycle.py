@@ -355,7 +355,7 @@ class TrajectoryService:
         self.settings = settings
         self.stats = ExportStats()
         redis = store.redis
-        self.inflight = inflight or InFlight(redis, prefix=store.redis_prefix)
+        self.inflight = inflight or InFlight(store.redis_hot, prefix=store.redis_prefix)
         self.queue: TrajectoryQueue = (
             RedisQueue(redis, prefix=store.redis_prefix, lease_timeout_s=settings.lease_timeout_s, engine=store.engine)
             if redis is not None

@@ -295,6 +295,12 @@ class Store:
         return self._redis.client if self._redis is not None else None
 
     @property
+    def redis_hot(self) -> Any | None:
+        """The lean pipelined client for the commands of a turn's path (``gateway.store.resp``; it has
+        ``redis-py``'s methods for those), or None without Redis."""
+        return self._redis.hot if self._redis is not None else None
+
+    @property
     def redis_prefix(self) -> str:
         return self._redis_prefix
 

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from gateway.store.errors import StoreUnavailable
 from gateway.store.records import SessionRecord
+from gateway.store.resp import LeanRedis
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,14 @@ def _session_json(record: SessionRecord) -> str:
 
 
 class RedisState:
-    """Redis-backed caches of the store. ``errors`` counts failed Redis calls (served from SQL)."""
+    """Redis-backed caches of the store. ``errors`` counts failed Redis calls (served from SQL).
 
-    def __init__(self, client: aioredis.Redis, prefix: str) -> None:
+    ``client`` is ``redis-py``'s (everything off the turn's path); ``hot`` is the lean pipelined client
+    (:mod:`gateway.store.resp`) for the reads and writes every turn makes."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str, hot: LeanRedis | None = None) -> None:
         self.client = client
+        self.hot: LeanRedis | aioredis.Redis = hot if hot is not None else client
         self.prefix = prefix
         self.errors = 0
         self._put_if_newer = client.register_script(_PUT_IF_NEWER)
@@ -76,16 +81,21 @@ class RedisState:
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=REDIS_MAX_CONNECTIONS,
                                                         timeout=REDIS_POOL_TIMEOUT_S, decode_responses=False)
         client = aioredis.Redis.from_pool(pool)
+        hot = LeanRedis.from_url(url)
         try:
             await client.ping()
+            await hot.ping()
             await client.script_load(_PUT_IF_NEWER)  # publish_turns calls it by its sha in a pipeline
         except RedisError as exc:
             await client.aclose()
+            await hot.aclose()
             raise StoreUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
-        return cls(client, prefix)
+        return cls(client, prefix, hot)
 
     async def close(self) -> None:
         await self.client.aclose()
+        if self.hot is not self.client:
+            await self.hot.aclose()
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.errors += 1
@@ -94,7 +104,7 @@ class RedisState:
     # ---- sessions ----
     async def _cached_session(self, key: str) -> SessionRecord | None:
         try:
-            raw = await self.client.hget(f"{self.prefix}{key}", "d")
+            raw = await self.hot.hget(f"{self.prefix}{key}", "d")
         except RedisError as exc:
             self._failed("session read", exc)
             return None
@@ -126,7 +136,7 @@ class RedisState:
         if not hashes:
             return []
         try:
-            values = await self.client.hmget(f"{self.prefix}chain:{session_id}", list(hashes))
+            values = await self.hot.hmget(f"{self.prefix}chain:{session_id}", list(hashes))
         except RedisError as exc:
             self._failed("chain read", exc)
             return [None] * len(hashes)
@@ -141,7 +151,7 @@ class RedisState:
         if not by_session:
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.hot.pipeline(transaction=False)
             for session_id, mapping in by_session.items():
                 key = f"{self.prefix}chain:{session_id}"
                 if only_missing:
@@ -167,7 +177,7 @@ class RedisState:
         for session_id, chain_hash, interaction_id in chain_entries:
             by_session.setdefault(session_id, {})[chain_hash] = interaction_id
         try:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.hot.pipeline(transaction=False)
             for session_id, mapping in by_session.items():
                 key = f"{self.prefix}chain:{session_id}"
                 pipe.hset(key, mapping=cast("dict[Any, Any]", mapping))  # redis-py types str keys narrowly
@@ -205,7 +215,7 @@ class RedisState:
     # ---- full sequences ----
     async def seq_get(self, interaction_id: str) -> bytes | None:
         try:
-            value = await self.client.get(f"{self.prefix}seq:{interaction_id}")
+            value = await self.hot.get(f"{self.prefix}seq:{interaction_id}")
         except RedisError as exc:
             self._failed("sequence read", exc)
             return None
@@ -213,7 +223,7 @@ class RedisState:
 
     async def seq_put(self, items: Iterable[tuple[str, bytes]]) -> None:
         try:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self.hot.pipeline(transaction=False)
             for interaction_id, packed in items:
                 pipe.set(f"{self.prefix}seq:{interaction_id}", packed, ex=SEQ_TTL_S)
             await pipe.execute()
@@ -222,6 +232,6 @@ class RedisState:
 
     async def _drop(self, key: str) -> None:
         try:
-            await self.client.delete(key)
+            await self.hot.delete(key)
         except RedisError as exc:
             log.error("redis: could not drop %s after a failed write; it may be stale until it expires: %s", key, exc)
