@@ -5,6 +5,7 @@ each caller its own answer; a parent committed by another process while the stat
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 
 import asyncpg
@@ -12,7 +13,14 @@ import pytest
 
 from gateway.store import Conflict, NotFound, Store
 from gateway.store.rows import interaction_to_row
-from gateway.store.writer import _PG_INSERT_INTERACTION, PostgresBatchWriter, _values
+from gateway.store.writer import (
+    _PG_CHECK,
+    _PG_INSERT_INTERACTION,
+    _PG_WRITE_ALL,
+    WRITER_SERVER_SETTINGS,
+    PostgresBatchWriter,
+    _values,
+)
 from tests.gateway.store.helpers import make_turn
 
 pytestmark = pytest.mark.services
@@ -115,3 +123,21 @@ async def _until_waiting_on_a_lock(observer: asyncpg.Connection) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the writer's statement never waited on the session's row lock")
+
+
+@pytest.mark.parametrize("statement", ["write_all", "check"])
+async def test_the_writers_generic_plans_read_by_key(shared_pg_url: str, statement: str) -> None:
+    """The writers' connections keep one generic plan per statement (WRITER_SERVER_SETTINGS), planned
+    whenever the connection first runs it, possibly on near-empty tables: it must look rows up by their
+    keys (no sequential scan, no walk over a session's turns), or it would stay slow as the tables grow."""
+    sql = {"write_all": _PG_WRITE_ALL, "check": _PG_CHECK}[statement]
+    conn = await asyncpg.connect(shared_pg_url.replace("+asyncpg", ""), server_settings=WRITER_SERVER_SETTINGS)
+    try:
+        await conn.execute(f"PREPARE probe AS {sql}")
+        params = {int(n) for n in re.findall(r"\$(\d+)", sql)}
+        plan = "\n".join(r[0] for r in await conn.fetch(f"EXPLAIN EXECUTE probe({', '.join(['NULL'] * len(params))})"))
+    finally:
+        await conn.close()
+    assert "Seq Scan" not in plan, plan
+    assert "ix_interactions_session_created" not in plan, plan
+    assert "sessions_pkey" in plan and "interactions_pkey" in plan, plan
