@@ -14,8 +14,10 @@ update, ``COMMIT``) is one call in the writer's own thread on its own ``sqlite3`
 (JSON columns through ``json.dumps``, token arrays as packed bytes). The store's other write transactions
 take turns with it through SQLite's write lock (``busy_timeout``). On PostgreSQL the same transaction runs
 on the writer's own ``asyncpg`` connection (:class:`PostgresBatchWriter`: constant statements, prepared
-once, ``= ANY($1)`` for the id lists, ``executemany`` for the rows), without SQLAlchemy's compilation and
-greenlet switch per statement; it reconnects after the connection was lost.
+and planned once, ``= ANY($1)`` for the id lists), without SQLAlchemy's compilation and greenlet switch per
+statement; it reconnects after the connection was lost. A batch whose jobs all pass (the usual case) is
+written by one statement, one round trip without ``BEGIN`` and ``COMMIT`` (:data:`_PG_WRITE_ALL`); the
+checks job by job in a transaction (:func:`_write_postgres`) run only when that statement declines.
 
 A job is all-or-nothing. Jobs that fail the checks fail alone; if the batch transaction itself fails for
 a data reason (a race the checks could not see), it is rolled back and retried job by job, so exactly the
