@@ -35,6 +35,7 @@ from gateway.control import ControlPlane
 from gateway.engine_client import EngineRouter
 from gateway.engines import EngineInfo, connect_engines
 from gateway.fasthttp import FastHTTP
+from gateway.memory import trim_loop
 from gateway.errors import (
     Conflict,
     GatewayError,
@@ -242,10 +243,12 @@ def create_app(
     tokenizer: Any | None = None,
     admission: Any | None = None,
     freeze_gc: bool = False,
+    trim_memory_s: float | None = None,
 ) -> FastAPI:
     """The gateway app. Injected parts are used as given and not closed at shutdown. ``freeze_gc``: the
     process serves only this app (``agentrl gateway``); what its start-up loaded is frozen out of the
-    garbage collector's generations (``gc.freeze``)."""
+    garbage collector's generations (``gc.freeze``). ``trim_memory_s``: give free heap pages back to the
+    system this often (``gateway.memory.trim_loop``)."""
     metrics = Metrics()
 
     @asynccontextmanager
@@ -262,6 +265,7 @@ def create_app(
         opened: Store | None = store
         control: ControlPlane | None = None
         router: EngineRouter | None = None
+        trimmer: asyncio.Task[None] | None = None
         try:
             engines = await connect_engines(settings.engine_url, settings.engine_kind, client,
                                             timeout_s=settings.engine_timeout_s,
@@ -309,8 +313,12 @@ def create_app(
                 # made (one took ~140 ms over the start-up's objects under load: p99 spikes)
                 gc.collect()
                 gc.freeze()
+            if trim_memory_s:
+                trimmer = asyncio.get_running_loop().create_task(trim_loop(trim_memory_s), name="agentrl-malloc-trim")
             yield
         finally:
+            if trimmer is not None:
+                trimmer.cancel()
             if control is not None:
                 await control.close()
             if router is not None:

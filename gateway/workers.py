@@ -47,6 +47,8 @@ CHILD_ENV = "AGENTRL_GATEWAY_WORKER_SPEC"  # JSON {index, fd, settings}; not a s
 WORKER_HEADER = b"x-agentrl-worker"
 RESTART_BACKOFF_S = 1.0
 STOP_GRACE_S = 15.0  # uvicorn's graceful shutdown (5 s) plus the store's last flush
+MALLOC_ARENAS = 2  # glibc malloc arenas of a serving process (gateway.memory)
+TRIM_MEMORY_S = 20.0  # how often a serving process gives free heap pages back (gateway.memory)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -190,8 +192,10 @@ def serve(settings: GatewaySettings, *, sock: socket.socket | None = None, index
 
     from gateway.app import create_app
     from gateway.http_server import protocol
+    from gateway.memory import limit_arenas
 
-    app: Any = create_app(settings, freeze_gc=True)
+    limit_arenas(MALLOC_ARENAS)  # before the tokenizer's and the writers' threads start
+    app: Any = create_app(settings, freeze_gc=True, trim_memory_s=TRIM_MEMORY_S)
     if index is not None:
         app = WorkerHeader(app, index)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
