@@ -104,14 +104,15 @@ def wrk(url: str, script: Path, concurrency: int, duration: float, pid: int | No
     cpu = cpu_seconds(pid) - cpu
     done = int(re.search(r"(\d+) requests in", out).group(1))
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)\b", out)
-    scale = {"us": 0.001, "ms": 1.0, "s": 1000.0}[p50.group(2)]
+    scale = {"us": 0.001, "ms": 1.0, "s": 1000.0}
+    p50, p99 = (re.search(rf"{q}%\s+([\d.]+)(us|ms|s)\b", out) for q in (50, 99))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     sock = re.search(r"Socket errors: (.*)", out)
     if errors or sock:
         print(f"  wrk reported errors: {errors.group(0) if errors else ''} {sock.group(0) if sock else ''}",
               file=sys.stderr)
-    return {"rps": rps, "p50": float(p50.group(1)) * scale, "cpu_ms": 1000.0 * cpu / max(1, done)}
+    return {"rps": rps, "p50": float(p50.group(1)) * scale[p50.group(2)],
+            "p99": float(p99.group(1)) * scale[p99.group(2)], "cpu_ms": 1000.0 * cpu / max(1, done)}
 
 
 # A sample belongs to the first phase (outermost frame first) whose marker (a substring of
@@ -299,15 +300,17 @@ def main() -> int:
     load = os.getloadavg()
     print(f"\ngateway turns over an instant upstream ({args.db}): {os.cpu_count()} cores, load {load[0]:.2f}/{load[1]:.2f}, "
           f"wrk -t1 -d{args.duration:g}s, median of {args.runs} runs")
-    print(f"{'scenario':15s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'added p50':>10s} {'gateway CPU ms/turn':>20s}")
+    print(f"{'scenario':15s} {'conc':>4s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'added p50':>10s} "
+          f"{'gateway CPU ms/turn':>20s}")
     for c in levels if args.runs else []:
         base = statistics.median(r["p50"] for r in results.get(("upstream", c), [{"p50": 0.0}]))
         for name in scenarios:
             rs = results[(name, c)]
             rps, p50 = statistics.median(r["rps"] for r in rs), statistics.median(r["p50"] for r in rs)
+            p99 = statistics.median(r["p99"] for r in rs)
             added = f"{p50 - base:10.2f}" if name != "upstream" else f"{'':10s}"
             cpu = f"{statistics.median(r['cpu_ms'] for r in rs):20.2f}" if name != "upstream" else ""
-            print(f"{name:15s} {c:4d} {rps:8.1f} {p50:8.2f} {added} {cpu}")
+            print(f"{name:15s} {c:4d} {rps:8.1f} {p50:8.2f} {p99:8.2f} {added} {cpu}")
         if ("turn 1", c) in results and ("turn 20", c) in results:
             for label in gateways:
                 t1 = statistics.median(r["p50"] for r in results[(f"{label}turn 1", c)])

@@ -8,8 +8,8 @@ that were free but kept after the load (docs/gateway.md, "Where the RSS growth c
 
 - :func:`limit_arenas` caps the arenas (``M_ARENA_MAX``) before the threads start, so that freed memory
   of one thread serves the others instead of sitting in an arena of its own;
-- :func:`trim_loop` gives free pages back to the system every ``every_s`` (``malloc_trim``), which costs
-  a few milliseconds of the event loop each time (logged at debug level with its duration).
+- :func:`trim_loop` gives free pages back to the system every ``every_s`` (``malloc_trim``, in a thread:
+  5 ms over a 300 MB heap here, 45 ms when it released 400 MB; logged at debug level with its duration).
 """
 
 from __future__ import annotations
@@ -53,6 +53,6 @@ async def trim_loop(every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         started = time.perf_counter()
-        released = trim()
+        released = await asyncio.to_thread(trim)  # ctypes lets go of the GIL: the loop goes on meanwhile
         log.debug("malloc_trim: %s in %.1f ms", "released memory" if released else "nothing to release",
                   1e3 * (time.perf_counter() - started))
