@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from gateway.chat.tool_parser import (
@@ -104,6 +105,10 @@ class StreamDelta:
         return bool(self.content or self.tool_calls or self.token_end > self.token_start)
 
 
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class ChoiceDecoder:
     def __init__(self, tokenizer: Any, *, stop: list[str], stop_token_ids: list[int], parse_tools: bool) -> None:
         self.tokenizer = tokenizer
@@ -117,14 +122,17 @@ class ChoiceDecoder:
         self._content: list[str] = []
         self._calls: list[dict[str, Any]] = []
         self.stopped = False  # a stop string was found: the caller stops reading the engine
-        # incremental decoding (None: the tokenizer's text is not the concatenation of its pieces)
+        # incremental decoding (None: the tokenizer's text is not the concatenation of its pieces). It gets a
+        # function of the tokenizer, not the bound ``self.decode``: that would make the two objects a
+        # reference cycle, freed only by the garbage collector's full passes (one per choice of every turn)
         self.text: IncrementalText | None = (
-            None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else IncrementalText(self.decode))
+            None if getattr(tokenizer, "clean_up_tokenization_spaces", False)
+            else IncrementalText(partial(_decode, tokenizer)))
         self._pending = ""  # decoded, not released (the tail that could still grow into a stop string)
         self._released: list[str] = []
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return _decode(self.tokenizer, ids)
 
     def _visible(self, gen: Generation, final: bool) -> int:
         ids = gen.output_ids

@@ -89,3 +89,28 @@ def test_a_chunk_decodes_its_new_tokens_not_the_output_so_far(tok: Any) -> None:
     # split over up to 4 byte tokens keeps the window open), whatever the output length
     assert max(per_chunk) <= 16
     assert max(per_chunk[-100:]) <= max(per_chunk[:100]) + 4
+
+
+@pytest.mark.parametrize("parse_tools", [False, True])
+def test_a_decoder_is_freed_without_the_garbage_collector(tok: Any, parse_tools: bool) -> None:
+    """A choice's decoder, used for a streamed answer, leaves no reference cycle: reference counting frees
+    it the moment it is dropped. (It held its incremental decoder, which held the decoder's bound
+    ``decode``: one cycle per choice of every turn, freed only by full collections, which a serving gateway
+    runs rarely: gateway.app.SERVING_GC_THRESHOLDS.)"""
+    import gc
+    import weakref
+
+    ids = tok.encode("Hello there, how are you today?", add_special_tokens=False)
+    gc.disable()
+    try:
+        decoder = ChoiceDecoder(tok, stop=["never appears"], stop_token_ids=[], parse_tools=parse_tools)
+        assert decoder.text is not None
+        for k in range(1, len(ids)):
+            decoder.step(Generation(output_ids=ids[:k], logprobs=[0.0] * k))
+        _, result = decoder.end(Generation(output_ids=ids, logprobs=[0.0] * len(ids), finish="stop"))
+        assert result is not None
+        gone = weakref.ref(decoder)
+        del decoder
+        assert gone() is None
+    finally:
+        gc.enable()

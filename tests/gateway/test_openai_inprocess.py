@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import create_app, load_tokenizer
+from gateway.app import SERVING_GC_THRESHOLDS, create_app, load_tokenizer
 from gateway.settings import GatewaySettings
 from gateway.standin import build_app
 from gateway.store import Store
@@ -692,17 +692,22 @@ async def test_a_served_gateway_freezes_its_start_up_objects_out_of_the_collecto
     settings.validate()
     engine = FlakyTransport(build_app(str(tiny_model_dir), ["hi"], tokenizer=tokenizer))
     assert gc.get_freeze_count() == 0
+    thresholds = gc.get_threshold()
+    assert thresholds != SERVING_GC_THRESHOLDS
     try:
         async with httpx.AsyncClient(transport=engine) as engine_http:
             plain = create_app(settings, http=engine_http, tokenizer=tokenizer)
             async with plain.router.lifespan_context(plain):
                 assert gc.get_freeze_count() == 0
+                assert gc.get_threshold() == thresholds
             served = create_app(settings, http=engine_http, tokenizer=tokenizer, freeze_gc=True)
             async with served.router.lifespan_context(served):
                 assert gc.get_freeze_count() > 10_000  # modules, tokenizer, template, clients
+                assert gc.get_threshold() == SERVING_GC_THRESHOLDS  # full collections rare (p99)
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=served), base_url="http://gw") as http:
                     resp = await http.post("/v1/chat/completions", headers={"Authorization": f"Bearer {AGENT}"},
                                            json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
                     assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "hi"
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
