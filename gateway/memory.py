@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import time
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 
 
+@functools.cache  # find_library runs `ldconfig -p` in a subprocess: once per process, not once per trim
 def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.store import schema
@@ -509,15 +510,19 @@ def _postgres_error(exc: BaseException) -> StoreError | None:
     return None
 
 
-def _pg_insert(table: sa.Table) -> tuple[str, list[tuple[str, bool]]]:
+def _insert(table: sa.Table, mark: Callable[[int, sa.Column[Any]], str], source: str = "VALUES ({})"
+            ) -> tuple[str, list[tuple[str, bool]]]:
+    """``INSERT`` of every column of ``table``, the values from ``source`` filled with each column's
+    ``mark(index, column)`` (a placeholder), and the row keys in that order with whether the column holds
+    JSON (what :func:`_values` takes)."""
     names = ", ".join(f'"{c.name}"' for c in table.columns)
-    marks = ", ".join(f"${k}" for k in range(1, len(table.columns) + 1))
+    marks = ", ".join(mark(k, c) for k, c in enumerate(table.columns))
     keys = [(c.key, isinstance(c.type, sa.JSON)) for c in table.columns]
-    return f'INSERT INTO "{table.name}" ({names}) VALUES ({marks})', keys
+    return f'INSERT INTO "{table.name}" ({names}) {source.format(marks)}', keys
 
 
-_PG_INSERT_SESSION = _pg_insert(schema.sessions)
-_PG_INSERT_INTERACTION = _pg_insert(schema.interactions)
+_PG_INSERT_SESSION = _insert(schema.sessions, lambda k, _: f"${k + 1}")
+_PG_INSERT_INTERACTION = _insert(schema.interactions, lambda k, _: f"${k + 1}")
 
 
 # the batch's checks in one statement: its sessions' status, locked in id order (FOR UPDATE, so no
@@ -529,15 +534,9 @@ _PG_CHECK = (
 
 
 def _pg_unnest(table: sa.Table, first: int) -> tuple[str, list[tuple[str, bool]]]:
-    """``INSERT`` of every column of ``table`` from one array parameter per column (``unnest``, numbered
-    from ``$first``), and the row keys in that order with whether the column holds JSON."""
-    from sqlalchemy.dialects import postgresql
-
-    names = ", ".join(f'"{c.name}"' for c in table.columns)
-    arrays = ", ".join(f"${first + k}::{c.type.compile(dialect=postgresql.dialect())}[]"
-                       for k, c in enumerate(table.columns))
-    keys = [(c.key, isinstance(c.type, sa.JSON)) for c in table.columns]
-    return f'INSERT INTO "{table.name}" ({names}) SELECT * FROM unnest({arrays})', keys
+    """:func:`_insert` from one array parameter per column (``unnest``, numbered from ``$first``)."""
+    return _insert(table, lambda k, c: f"${first + k}::{c.type.compile(dialect=postgresql.dialect())}[]",
+                   "SELECT * FROM unnest({})")
 
 
 _PG_UNNEST_SESSION = _pg_unnest(schema.sessions, 5)
@@ -656,17 +655,8 @@ def _sqlite_error(exc: BaseException) -> StoreError | None:
     return None
 
 
-def _columns(table: sa.Table) -> tuple[str, list[tuple[str, bool]]]:
-    """``INSERT`` of every column of ``table`` with ``?`` placeholders, and the row keys in that order
-    with whether the column holds JSON."""
-    names = ", ".join(f'"{c.name}"' for c in table.columns)
-    marks = ", ".join("?" for _ in table.columns)
-    keys = [(c.key, isinstance(c.type, sa.JSON)) for c in table.columns]
-    return f'INSERT INTO "{table.name}" ({names}) VALUES ({marks})', keys
-
-
-_INSERT_SESSION = _columns(schema.sessions)
-_INSERT_INTERACTION = _columns(schema.interactions)
+_INSERT_SESSION = _insert(schema.sessions, lambda *_: "?")
+_INSERT_INTERACTION = _insert(schema.interactions, lambda *_: "?")
 
 
 def _values(rows: list[dict[str, Any]], keys: list[tuple[str, bool]]) -> list[tuple[Any, ...]]:
