@@ -1,4 +1,5 @@
-"""In-flight markers are tied to the liveness of the replica that set them (real Redis, isolated prefix)."""
+"""In-flight markers are tied to the liveness of the replica that set them (real Redis, isolated prefix),
+through redis-py and through the lean client the gateway gives them (``Store.redis_hot``)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ import redis.asyncio as aioredis
 
 from gateway.errors import StoreUnavailable
 from gateway.lifecycle import InFlight
+from gateway.store.resp import LeanRedis
 from tests.conftest import REDIS_URL, free_port
 
+CLIENTS = {"redis-py": aioredis.Redis.from_url, "lean": LeanRedis.from_url}
 
-async def test_markers_live_while_their_replica_does_and_lapse_after_it_dies(redis_prefix: str) -> None:
-    client = aioredis.Redis.from_url(REDIS_URL)
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_markers_live_while_their_replica_does_and_lapse_after_it_dies(redis_prefix: str, kind: str) -> None:
+    client, other_client = CLIENTS[kind](REDIS_URL), CLIENTS[kind](REDIS_URL)  # one connection per replica
     try:
         replica = InFlight(client, prefix=redis_prefix, ttl_s=0.6)
-        other = InFlight(client, prefix=redis_prefix, ttl_s=0.6)  # another replica's lifecycle asks
+        other = InFlight(other_client, prefix=redis_prefix, ttl_s=0.6)  # another replica's lifecycle asks
         turn = replica.track("s-live")
         await turn.__aenter__()
         await asyncio.sleep(1.5)  # > ttl: the live replica keeps its marker fresh
@@ -32,11 +37,14 @@ async def test_markers_live_while_their_replica_does_and_lapse_after_it_dies(red
         assert await other.busy(["s-crashed"]) == set()
     finally:
         await client.aclose()
+        await other_client.aclose()
 
 
-async def test_redis_down_refuses_a_new_turn_with_503_and_never_fails_an_ending_one(redis_prefix: str) -> None:
-    client = aioredis.Redis.from_url(REDIS_URL)
-    dead = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_redis_down_refuses_a_new_turn_with_503_and_never_fails_an_ending_one(redis_prefix: str,
+                                                                                    kind: str) -> None:
+    client = CLIENTS[kind](REDIS_URL)
+    dead = CLIENTS[kind](f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     try:
         inflight = InFlight(client, prefix=redis_prefix, ttl_s=5)
         async with inflight.track("s"):
