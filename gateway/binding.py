@@ -46,7 +46,7 @@ from gateway.errors import (
     from_store_error,
 )
 from gateway.settings import GatewaySettings
-from gateway.store import SessionRecord, Store
+from gateway.store import Continued, Marker, SessionRecord, Store
 from gateway.store import errors as store_errors
 
 Role = Literal["admin", "runner", "agent", "session"]
@@ -177,23 +177,20 @@ class ImplicitIndex:
     def _key(self, chain_hash: str) -> str:
         return f"{self.store.redis_prefix}gw:implicit:{chain_hash}"
 
-    async def lookup(self, hashes: Sequence[str]) -> str | None:
-        """The session of the first hash (longest prefix first) that an implicit turn was stored under."""
+    async def lookup(self, hashes: Sequence[str], marker: Marker | None = None) -> Continued | None:
+        """The episode of the first hash (longest prefix first) that an implicit turn was stored under.
+
+        With Redis this is one round trip that also brings the session's cached record, the parent index's
+        entry for the longest hash and adds ``marker`` (``Store.find_continued``); without Redis only
+        ``session_id`` is known (from this process's map)."""
         if not hashes:
             return None
-        redis = self.store.redis_hot
-        if redis is not None:
-            try:
-                values = await redis.mget([self._key(h) for h in hashes])
-            except RedisError as exc:
-                raise StoreUnavailable(f"Redis failed: {exc}") from exc
-            for value in values:
-                if value is not None:
-                    return value.decode() if isinstance(value, bytes) else str(value)
-            return None
+        if self.store.redis is not None:
+            return await self.store.find_continued(index_keys=[self._key(h) for h in hashes], longest_hash=hashes[0],
+                                                   marker=marker)
         for h in hashes:
             if h in self._local:
-                return self._local[h]
+                return Continued(self._local[h], None, None, False)
         return None
 
     def redis_entries(self, entries: Sequence[tuple[str, str]]) -> list[tuple[str, str, int]]:

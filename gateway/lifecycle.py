@@ -72,7 +72,7 @@ from agentrl.trajectory import (
 from gateway import errors
 from gateway.queue import QueuedGroup, RedisQueue, SqlQueue, TrajectoryQueue, lease_meta
 from gateway.staleness import StalenessControl
-from gateway.store import GroupRecord, SessionRecord, Store
+from gateway.store import GroupRecord, Marker, SessionRecord, Store
 from gateway.store import errors as store_errors
 
 log = logging.getLogger("agentrl.gateway.lifecycle")
@@ -187,6 +187,14 @@ class InFlight:
     was killed (kill -9, OOM) lapse within ``ttl_s`` and its sessions are idle-finished and exported as
     usual. Without Redis they live in this process (and die with it).
 
+    An implicit-mode turn has its marker added by the script that finds its episode
+    (``Store.find_continued`` with :meth:`marker`) and takes it over with :meth:`adopt`.
+
+    A turn's marker is removed after the turn, off its path: the caller is answered without waiting for
+    Redis. This replica's :meth:`busy` first waits for the removals started before it asks, so it never
+    counts a turn that has ended here; another replica may see one in flight a moment longer
+    (:meth:`settle` waits for the removals started so far).
+
     Redis down: starting a turn fails with ``StoreUnavailable`` (503, nothing recorded yet); ending one
     never fails (the turn is already recorded; its marker lapses by itself)."""
 
@@ -196,10 +204,20 @@ class InFlight:
         self.ttl_s = ttl_s
         self._local: dict[str, int] = defaultdict(int)
         self._members: dict[str, str] = {}  # Redis member -> session id, for the turns of this replica
+        self._removals: set[asyncio.Task[None]] = set()
         self._refresher: asyncio.Task[None] | None = None
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}inflight:{session_id}"
+
+    def _key_ttl(self) -> int:
+        return int(self.ttl_s * 4) + 1
+
+    def marker(self) -> Marker | None:
+        """A new marker for ``Store.find_continued`` to add (None without Redis)."""
+        if self.redis is None:
+            return None
+        return Marker(self._key(""), uuid.uuid4().hex, time.time() + self.ttl_s, self._key_ttl())
 
     @asynccontextmanager
     async def track(self, session_id: str) -> AsyncIterator[None]:
@@ -208,10 +226,17 @@ class InFlight:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.zadd(self._key(session_id), {member: time.time() + self.ttl_s})
-                    pipe.expire(self._key(session_id), int(self.ttl_s * 4) + 1)
+                    pipe.expire(self._key(session_id), self._key_ttl())
                     await pipe.execute()
             except RedisError as exc:
                 raise errors.StoreUnavailable(f"Redis failed (in-flight marker): {exc}") from exc
+        async with self.adopt(session_id, member if self.redis is not None else None):
+            yield
+
+    @asynccontextmanager
+    async def adopt(self, session_id: str, member: str | None) -> AsyncIterator[None]:
+        """Track a turn whose Redis marker ``member`` is already set (None: without Redis)."""
+        if member is not None:
             self._members[member] = session_id
             self._start_refresher()
         self._local[session_id] += 1
@@ -221,12 +246,28 @@ class InFlight:
             self._local[session_id] -= 1
             if not self._local[session_id]:
                 del self._local[session_id]
-            if self._members.pop(member, None) is not None and self.redis is not None:
-                try:
-                    await self.redis.zrem(self._key(session_id), member)
-                except RedisError as exc:
-                    log.warning("in-flight marker of session %s not removed (lapses in %.0fs): %s",
-                                session_id, self.ttl_s, exc)
+            if member is not None and self._members.pop(member, None) is not None:
+                self.discard(session_id, member)
+
+    def discard(self, session_id: str, member: str) -> None:
+        """Remove a marker in the background (a turn ended, or a marker set for a turn that went elsewhere)."""
+        if self.redis is None:
+            return
+        task = asyncio.ensure_future(self._remove(session_id, member))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def _remove(self, session_id: str, member: str) -> None:
+        try:
+            await self.redis.zrem(self._key(session_id), member)
+        except RedisError as exc:
+            log.warning("in-flight marker of session %s not removed (lapses in %.0fs): %s",
+                        session_id, self.ttl_s, exc)
+
+    async def settle(self) -> None:
+        """Wait until the marker removals started so far have been answered."""
+        if self._removals:
+            await asyncio.gather(*list(self._removals), return_exceptions=True)
 
     def _start_refresher(self) -> None:
         if self._refresher is None or self._refresher.done():
@@ -248,7 +289,7 @@ class InFlight:
         async with self.redis.pipeline(transaction=False) as pipe:
             for member, session_id in list(self._members.items()):
                 pipe.zadd(self._key(session_id), {member: expiry}, xx=True)
-                pipe.expire(self._key(session_id), int(self.ttl_s * 4) + 1)
+                pipe.expire(self._key(session_id), self._key_ttl())
             await pipe.execute()
 
     async def close(self) -> None:
@@ -256,9 +297,11 @@ class InFlight:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)
             self._refresher = None
+        await self.settle()
 
     async def busy(self, session_ids: Sequence[str]) -> set[str]:
         """The sessions among ``session_ids`` that have a turn in flight (on a live replica)."""
+        await self.settle()
         out = {s for s in session_ids if self._local.get(s)}
         if self.redis is not None and session_ids:
             now = time.time()

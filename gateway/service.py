@@ -56,7 +56,7 @@ from gateway.errors import (
     from_chat_error,
     from_store_error,
 )
-from gateway.store import Interaction, NewSession, SessionRecord
+from gateway.store import Continued, Interaction, NewSession, SessionRecord
 from gateway.store import errors as store_errors
 from gateway.wire import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -90,6 +90,7 @@ class TurnPlan:
     implicit: bool = False
     charged: int = 0  # sessions charged to the staleness budget for new implicit episodes (one per choice)
     handed: int = 0  # of those, sessions created (they keep their charge; the rest is given back)
+    tracked: bool = False  # the in-flight marker of ``session`` was added with its lookup (and is held)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -136,8 +137,9 @@ class GenerationService:
             await turn.enter_async_context(inflight.track(session.id))
 
     async def _track_planned(self, turn: AsyncExitStack, given: SessionRecord | None, plan: TurnPlan) -> None:
-        """Also track the session planning found (an implicit-mode continuation)."""
-        if plan.session is not None and (given is None or plan.session.id != given.id):
+        """Also track the session planning found (an implicit-mode continuation), unless its marker was
+        added with the lookup that found it."""
+        if plan.session is not None and not plan.tracked and (given is None or plan.session.id != given.id):
             await self._track(turn, plan.session)
 
     async def _planned(self, turn: AsyncExitStack, plan: TurnPlan) -> None:
@@ -151,11 +153,39 @@ class GenerationService:
         turn.push_async_callback(give_back)
 
     # ------------------------------------------------------------------------------------ planning
-    async def _find_parent(self, session_id: str, candidates: list[tuple[int, str]]) -> Any:
+    async def _find_parent(self, session_id: str, candidates: list[tuple[int, str]],
+                           indexed: Continued | None) -> Any:
         try:
-            return await self.svc.store.find_parent(session_id=session_id, candidates=candidates)
+            return await self.svc.store.find_parent(session_id=session_id, candidates=candidates, indexed=indexed)
         except store_errors.StoreError as exc:
             raise from_store_error(exc) from exc
+
+    async def _continued(self, turn: AsyncExitStack, hashes: list[str]) -> Continued | None:
+        """The implicit episode this turn continues (its session active and created under this caller's
+        key), else None: a new root. With Redis, one round trip also brings the parent index's entry and
+        adds the turn's in-flight marker, which ``turn`` then holds (``plan.tracked``)."""
+        inflight = getattr(self.svc.app_state, "inflight", None)
+        marker = inflight.marker() if inflight is not None else None
+        try:
+            hit = await self.svc.implicit.lookup(hashes, marker)
+            if hit is None:
+                return None
+            record = hit.record
+            if record is None:
+                try:
+                    record = await self.svc.store.get_session(session_id=hit.session_id, cached=True)
+                except store_errors.NotFound:
+                    return None
+        except store_errors.StoreError as exc:
+            raise from_store_error(exc) from exc
+        # another key's identical conversation is not continued: a new root
+        continued = record.status == "active" and (record.metadata or {}).get("owner") == self.owner
+        if hit.marked and marker is not None:
+            if continued:
+                await turn.enter_async_context(inflight.adopt(hit.session_id, marker.member))
+            else:
+                inflight.discard(hit.session_id, marker.member)
+        return dataclasses.replace(hit, record=record) if continued else None
 
     def _refuse_surely_too_long(self, messages: Any, tools: Any) -> int:
         """Refuse, before rendering anything, input that cannot fit the context: no token decodes to more
@@ -170,7 +200,8 @@ class GenerationService:
                 param="messages")
         return chars
 
-    async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | None) -> TurnPlan:
+    async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | None,
+                        turn: AsyncExitStack) -> TurnPlan:
         started = time.perf_counter()
         try:
             validate_messages(req.messages, req.tools)
@@ -182,24 +213,17 @@ class GenerationService:
         candidates = [(k, hashes[k - 1]) for k in range(len(messages) - 1, 0, -1)
                       if messages[k - 1].get("role") == "assistant"]
         implicit = session is None
-        if implicit and candidates:
-            sid = await self.svc.implicit.lookup([h for _, h in candidates])
-            if sid is not None:
-                try:
-                    found = await self.svc.store.get_session(session_id=sid, cached=True)
-                except store_errors.NotFound:
-                    found = None
-                except store_errors.StoreError as exc:
-                    raise from_store_error(exc) from exc
-                owner = (found.metadata or {}).get("owner") if found is not None else None
-                if found is not None and found.status == "active" and owner == self.owner:
-                    session = found  # another key's identical conversation is not continued: a new root
+        continued = await self._continued(turn, [h for _, h in candidates]) if implicit and candidates else None
+        if continued is not None:
+            session = continued.record
         if session is not None and session.status != "active":
             raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
                            code="session_not_active")
-        match = await self._find_parent(session.id, candidates) if session is not None and candidates else None
+        match = await self._find_parent(session.id, candidates, continued) \
+            if session is not None and candidates else None
         plan = await self._stitch(req, messages, match, candidates, chars)
         plan.session = session
+        plan.tracked = continued is not None and continued.marked
         plan.implicit = implicit
         plan.request_hash = hashes[-1]
         if session is None:
@@ -385,7 +409,7 @@ class GenerationService:
             grammar = await asyncio.to_thread(check_grammar, grammar)
         await self._track(turn, session)
         if isinstance(req, ChatCompletionRequest):
-            plan = await self.plan_chat(req, session)
+            plan = await self.plan_chat(req, session, turn)
             top, parse_tools, chain = (req.top_logprobs or 0) if req.logprobs else 0, req.wants_tools, \
                 self._chat_chain(plan)
         else:

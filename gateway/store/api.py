@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import sqlalchemy as sa
+from redis.exceptions import RedisError
 from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
@@ -58,7 +59,7 @@ from gateway.store.records import (
     SessionStatus,
 )
 
-from gateway.store.redis_state import RedisState
+from gateway.store.redis_state import Continued, Marker, RedisState
 from gateway.store.rows import (
     check_interaction,
     interaction_from_row,
@@ -79,9 +80,11 @@ _UNGATED_CONNECTIONS = 2  # of the PostgreSQL pool, for users of ``Store.engine`
 __all__ = [
     "SESSION_STATUSES",
     "CommitStats",
+    "Continued",
     "FinishReason",
     "GroupRecord",
     "Interaction",
+    "Marker",
     "ParentMatch",
     "RewardRecord",
     "SessionRecord",
@@ -688,8 +691,22 @@ class Store:
             return {row[0] for row in (await conn.execute(query)).all()}
 
     # ---- turns ----
+    async def find_continued(self, *, index_keys: Sequence[str], longest_hash: str,
+                             marker: Marker | None = None) -> Continued | None:
+        """With Redis, one round trip for an implicit-mode turn: the session of the first of ``index_keys``
+        (the gateway's episode index, longest candidate first) that is set, its cached record, the parent
+        index's entry for ``longest_hash`` (give it to :meth:`find_parent` as ``indexed``) and, with a
+        cached record, the in-flight ``marker`` added (``gateway.store.redis_state``). None without Redis
+        or when no key is set. Raises StoreUnavailable when Redis fails."""
+        if self._redis is None:
+            return None
+        try:
+            return await self._redis.find_continued(index_keys, longest_hash, marker)
+        except RedisError as exc:
+            raise StoreUnavailable(f"Redis failed: {exc}") from exc
+
     async def find_parent(
-        self, *, session_id: str, candidates: Sequence[tuple[int, str]]
+        self, *, session_id: str, candidates: Sequence[tuple[int, str]], indexed: Continued | None = None
     ) -> ParentMatch | None:
         """The parent of a new turn: the first candidate, in the order given (longest message prefix
         first), whose chain hash is the ``chain_hash`` of a turn of this session. If several turns share
@@ -698,7 +715,8 @@ class Store:
 
         The turn itself comes from an in-process cache of recent turns when it is there, so with Redis
         the longest candidate's hit needs no SQL at all. ``interaction.reward`` may then lag a reward
-        set via another replica (``get_interaction`` reads SQL).
+        set via another replica (``get_interaction`` reads SQL). ``indexed``: what :meth:`find_continued`
+        read of this session's index for the longest candidate (then it is not read again).
         """
         if not candidates:
             return None
@@ -711,7 +729,8 @@ class Store:
                 except NotFound:
                     self._chains.pop((session_id, hashes[0]), None)
         if self._redis is not None:
-            found = await self._redis.chain_lookup(session_id, hashes[:1])
+            found = [indexed.parent_id] if indexed is not None and indexed.session_id == session_id \
+                else await self._redis.chain_lookup(session_id, hashes[:1])
             if found[0] is not None:  # the longest candidate: nothing can beat it
                 try:
                     return ParentMatch(candidates[0][0], await self._turn(found[0]))

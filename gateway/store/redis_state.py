@@ -11,6 +11,10 @@ Keys (under the store's prefix, default ``agentrl:``):
   recent wins). A miss falls back to SQL, which also refills the hash.
 - ``seq:<interaction id>``: the turn's full token sequence, packed int32 (immutable, so never stale).
 
+An implicit-mode turn that continues an episode reads the gateway's episode index, the session record, the
+parent index and sets its in-flight marker in one script call (:meth:`RedisState.find_continued`); the
+script composes the session's keys from its id, so these keys must live on one Redis (no Cluster).
+
 Reads that fail (Redis down) fall back to SQL and are counted; writes that fail after a commit try to
 drop the affected key so that nothing stale is served, and are counted.
 """
@@ -18,13 +22,14 @@ drop the affected key so that nothing stale is served, and are counted.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from gateway.store.errors import StoreUnavailable
 from gateway.store.records import SessionRecord
@@ -54,6 +59,58 @@ return wrote
 """
 
 
+# KEYS = the implicit-episode index keys of a turn's candidate parents, longest first. ARGV = the store's
+# prefix, the longest candidate's chain hash, then the in-flight marker: key prefix ('' for none), member,
+# expiry score, key ttl. The first indexed candidate's session: its cached record, the parent index's entry
+# for the longest candidate, and (when the record is cached) the marker, added before anything is returned.
+_FIND_CONTINUED = """
+local sid = false
+for _, key in ipairs(KEYS) do
+  sid = redis.call('GET', key)
+  if sid then break end
+end
+if not sid then return false end
+local record = redis.call('HGET', ARGV[1] .. 'sid:' .. sid, 'd')
+local parent = redis.call('HGET', ARGV[1] .. 'chain:' .. sid, ARGV[2])
+local marked = 0
+if record and ARGV[3] ~= '' then
+  local key = ARGV[3] .. sid
+  redis.call('ZADD', key, ARGV[5], ARGV[4])
+  redis.call('EXPIRE', key, ARGV[6])
+  marked = 1
+end
+return {sid, record, parent, marked}
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Marker:
+    """An in-flight marker for :meth:`RedisState.find_continued` to add: ``member`` scored ``expiry`` in the
+    sorted set ``<key_prefix><session id>``, which expires after ``key_ttl_s`` (``gateway.lifecycle.InFlight``
+    owns these keys)."""
+
+    key_prefix: str
+    member: str
+    expiry: float
+    key_ttl_s: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Continued:
+    """What :meth:`RedisState.find_continued` found: the episode's session id, its cached record (None: not
+    cached, read SQL), the parent index's entry for the longest candidate (None: not indexed, read SQL) and
+    whether the in-flight marker was added (only with a cached record)."""
+
+    session_id: str
+    record: SessionRecord | None
+    parent_id: str | None
+    marked: bool
+
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def _session_json(record: SessionRecord) -> str:
     data = dataclasses.asdict(record)
     data["api_key"] = None
@@ -72,6 +129,7 @@ class RedisState:
         self.prefix = prefix
         self.errors = 0
         self._put_if_newer = client.register_script(_PUT_IF_NEWER)
+        self._find_continued_sha = hashlib.sha1(_FIND_CONTINUED.encode()).hexdigest()
 
     @classmethod
     async def connect(cls, url: str, prefix: str) -> RedisState:
@@ -86,6 +144,7 @@ class RedisState:
             await client.ping()
             await hot.ping()
             await client.script_load(_PUT_IF_NEWER)  # publish_turns calls it by its sha in a pipeline
+            await client.script_load(_FIND_CONTINUED)  # so that the first turns need not send it whole
         except RedisError as exc:
             await client.aclose()
             await hot.aclose()
@@ -131,6 +190,26 @@ class RedisState:
             for key in keys:
                 await self._drop(key)
 
+    async def find_continued(self, index_keys: Sequence[str], longest_hash: str,
+                             marker: Marker | None = None) -> Continued | None:
+        """One round trip for an implicit-mode turn (see ``_FIND_CONTINUED``): None when no candidate is
+        in the episode index. Raises ``RedisError`` (the index lives only in Redis: nothing to fall back to)."""
+        if not index_keys:
+            return None
+        args: list[str | float | int] = [self.prefix, longest_hash]
+        args += [marker.key_prefix, marker.member, marker.expiry, marker.key_ttl_s] if marker else ["", "", 0, 0]
+        try:
+            reply = await self.hot.evalsha(self._find_continued_sha, len(index_keys), *index_keys, *args)
+        except ResponseError as exc:  # NOSCRIPT: Redis restarted since (redis-py names it NoScriptError)
+            if not (isinstance(exc, NoScriptError) or str(exc).startswith("NOSCRIPT")):
+                raise
+            reply = await self.hot.eval(_FIND_CONTINUED, len(index_keys), *index_keys, *args)  # loads it
+        if not reply:
+            return None
+        sid, raw, parent, marked = reply
+        record = SessionRecord(**json.loads(raw)) if raw is not None else None
+        return Continued(str(_text(sid)), record, _text(parent), bool(marked))
+
     # ---- chain-hash index ----
     async def chain_lookup(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
         if not hashes:
@@ -140,7 +219,7 @@ class RedisState:
         except RedisError as exc:
             self._failed("chain read", exc)
             return [None] * len(hashes)
-        return [v.decode() if isinstance(v, bytes) else v for v in values]
+        return [_text(v) for v in values]
 
     async def chain_add(self, entries: Iterable[tuple[str, str, str]], *, only_missing: bool = False) -> None:
         """Index ``(session_id, chain_hash, interaction_id)`` entries. ``only_missing`` (used when

@@ -1,16 +1,16 @@
 """A lean Redis client for the commands on a turn's path (``LeanRedis``).
 
-A turn in implicit mode on PostgreSQL + Redis makes six Redis round trips (episode lookup, session record,
-parent index, in-flight marker, the after-commit publish, the marker's removal). Through ``redis-py``'s
-asyncio client each costs ~140 us of the gateway's CPU (a pooled connection checked out and back in under
+A turn in implicit mode on PostgreSQL + Redis sends Redis three things: one script call (episode lookup,
+session record, parent index, in-flight marker), the after-commit publish and the marker's removal. Through
+``redis-py``'s asyncio client a command costs ~140 us of the gateway's CPU (a pooled connection checked out and back in under
 a lock, a retry wrapper, a parser per command) for a ~25 us exchange; measured on this 2-core machine, a GET
 took 141 us of CPU and a two-command pipeline 222 us, against 59 us and 68 us here (``bench`` numbers in
 docs/gateway.md). This client keeps one connection per process and pipelines every caller's commands on it:
 each command is one ``write`` of its RESP encoding, and the replies, parsed by ``hiredis``, resolve the
 callers' futures in the order the commands were sent (Redis answers a connection's commands in order).
 
-It speaks RESP2 and knows only what the turn's path sends (strings, hashes, sorted sets, expiry, scripts by
-sha). It fails as ``redis-py`` does, with ``redis.exceptions`` errors (``ConnectionError``, ``TimeoutError``,
+It speaks RESP2 and knows only what the turn's path sends (strings, hashes, sorted sets, expiry, scripts).
+It fails as ``redis-py`` does, with ``redis.exceptions`` errors (``ConnectionError``, ``TimeoutError``,
 ``ResponseError``), so the callers' ``except RedisError`` handling is the same for both clients; the
 methods below have ``redis-py``'s names and arguments, so the same code (``InFlight``, ``ImplicitIndex``)
 runs on either. Everything else (streams, pub/sub, the leader lock, blocking commands, transactions) stays
@@ -170,6 +170,9 @@ class _Commands:
 
     def evalsha(self, sha: str, numkeys: int, *keys_and_args: Arg) -> Any:
         return self._command("EVALSHA", sha, numkeys, *keys_and_args)
+
+    def eval(self, script: str, numkeys: int, *keys_and_args: Arg) -> Any:
+        return self._command("EVAL", script, numkeys, *keys_and_args)
 
     def delete(self, *keys: str) -> Any:
         return self._command("DEL", *keys)

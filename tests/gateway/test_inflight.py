@@ -26,7 +26,8 @@ async def test_markers_live_while_their_replica_does_and_lapse_after_it_dies(red
         await turn.__aenter__()
         await asyncio.sleep(1.5)  # > ttl: the live replica keeps its marker fresh
         assert await other.busy(["s-live"]) == {"s-live"}
-        await turn.__aexit__(None, None, None)
+        await turn.__aexit__(None, None, None)  # the marker's removal is sent off the turn's path...
+        assert await replica.busy(["s-live"]) == set()  # ...and the replica's own view waits for it
         assert await other.busy(["s-live"]) == set()
 
         crashed = replica.track("s-crashed")

@@ -23,8 +23,9 @@ from gateway.app import SERVING_GC_THRESHOLDS, create_app, load_tokenizer
 from gateway.settings import GatewaySettings
 from gateway.standin import build_app
 from gateway.store import Store
+from tests.conftest import REDIS_URL
 
-ADMIN, AGENT = "admin-k", "agent-k"
+ADMIN, AGENT, OTHER = "admin-k", "agent-k", "other-agent-k"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -378,6 +379,50 @@ async def test_session_binding_by_key_by_url_and_implicit(make_gw: Any) -> None:
         assert tree["num_interactions"] == 1 and tree["roots"][0]["id"] == r.id
         # only the admin creates sessions
         assert (await gw.post("/v1/sessions", {}, key=AGENT)).status_code == 403
+
+
+async def test_an_implicit_follow_up_finds_its_episode_in_one_redis_round_trip(make_gw: Any,
+                                                                                redis_prefix: str) -> None:
+    """With Redis, a follow-up's episode, session record, parent and in-flight marker come from one script
+    call before the engine is asked; after it, one publish; its marker goes once the turn is answered. An
+    identical conversation under another agent key is a new root, and the marker that lookup set is gone."""
+    async with make_gw(["a", "b", "c"], redis=REDIS_URL, redis_prefix=redis_prefix, agent_key=[AGENT, OTHER],
+                       tick_s=3600) as gw:
+        msgs = [{"role": "user", "content": "hi"}]
+        first = await gw.sdk().chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
+        sent: list[str] = []
+        hot, engine = gw.store.redis_hot, gw.engine.handle_async_request
+
+        async def one(*args: Any) -> Any:
+            sent.append(str(args[0]))
+            return await type(hot).execute_command(hot, *args)
+
+        async def many(commands: Any, raise_on_error: bool = True) -> Any:
+            sent.append("+".join(str(c[0]) for c in commands))
+            return await type(hot).execute_many(hot, commands, raise_on_error=raise_on_error)
+
+        async def generate(request: httpx.Request) -> httpx.Response:
+            sent.append("engine")
+            return await engine(request)
+
+        hot.execute_command, hot.execute_many, gw.engine.handle_async_request = one, many, generate
+        second = await gw.sdk().chat.completions.create(model="m", messages=follow, max_tokens=5)
+        await gw.app.state.inflight.settle()
+        assert sent == ["EVALSHA", "engine", "HSET+EXPIRE+SET+SET", "ZREM"]
+        t1, t2 = [await gw.store.get_interaction(interaction_id=r.id) for r in (first, second)]
+        assert t2.parent_id == t1.id and t2.session_id == t1.session_id
+        assert not await gw.app.state.inflight.busy([t1.session_id])
+
+        sent.clear()
+        third = await gw.sdk(key=OTHER).chat.completions.create(model="m", messages=follow, max_tokens=5)
+        await gw.app.state.inflight.settle()
+        t3 = await gw.store.get_interaction(interaction_id=third.id)
+        assert t3.parent_id is None and t3.session_id != t1.session_id and t3.root_reason == "no_prefix_match"
+        assert sent[0] == "EVALSHA" and "ZREM" in sent  # the marker set by the lookup, taken back
+        assert not await gw.app.state.inflight.busy([t1.session_id])
+        assert [k for k in await gw.store.redis.keys(f"{redis_prefix}inflight:*")
+                if await gw.store.redis.zcard(k)] == []
 
 
 async def test_rewards(make_gw: Any) -> None:
