@@ -187,6 +187,24 @@ class GenerationService:
                 inflight.discard(hit.session_id, marker.member)
         return dataclasses.replace(hit, record=record) if continued else None
 
+    async def _named(self, turn: AsyncExitStack, session: SessionRecord, hashes: list[str]) -> Continued | None:
+        """Track a turn of a named session (session key or URL); with Redis and a parent to look for, its
+        in-flight marker and the parent index's entry come in one round trip (``plan.tracked``)."""
+        inflight = getattr(self.svc.app_state, "inflight", None)
+        marker = inflight.marker() if inflight is not None and hashes else None
+        if marker is None:
+            await self._track(turn, session)
+            return None
+        try:
+            hit = await self.svc.store.mark_session(session=session, longest_hash=hashes[0], marker=marker)
+        except store_errors.StoreError as exc:
+            raise from_store_error(exc) from exc
+        if hit is None:
+            await self._track(turn, session)
+            return None
+        await turn.enter_async_context(inflight.adopt(session.id, marker.member))
+        return hit
+
     def _refuse_surely_too_long(self, messages: Any, tools: Any) -> int:
         """Refuse, before rendering anything, input that cannot fit the context: no token decodes to more
         than the vocabulary's longest token string, so ``chars / longest`` is a lower bound on its tokens
@@ -213,9 +231,13 @@ class GenerationService:
         candidates = [(k, hashes[k - 1]) for k in range(len(messages) - 1, 0, -1)
                       if messages[k - 1].get("role") == "assistant"]
         implicit = session is None
-        continued = await self._continued(turn, [h for _, h in candidates]) if implicit and candidates else None
-        if continued is not None:
-            session = continued.record
+        longest_first = [h for _, h in candidates]
+        if session is not None:
+            continued = await self._named(turn, session, longest_first)
+        else:
+            continued = await self._continued(turn, longest_first) if candidates else None
+            if continued is not None:
+                session = continued.record
         if session is not None and session.status != "active":
             raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
                            code="session_not_active")
@@ -407,12 +429,12 @@ class GenerationService:
         grammar = grammar_of(req)
         if grammar is not None:  # compiled once here, so a bad schema / regex is a 400 naming its field
             grammar = await asyncio.to_thread(check_grammar, grammar)
-        await self._track(turn, session)
-        if isinstance(req, ChatCompletionRequest):
+        if isinstance(req, ChatCompletionRequest):  # tracks a named session itself (with its parent lookup)
             plan = await self.plan_chat(req, session, turn)
             top, parse_tools, chain = (req.top_logprobs or 0) if req.logprobs else 0, req.wants_tools, \
                 self._chat_chain(plan)
         else:
+            await self._track(turn, session)
             plan = await self.plan_completion(req, session)
             top, parse_tools, chain = req.logprobs or 0, False, self._completion_chain(plan)
         plan.request.update(meta or {})

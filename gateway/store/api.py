@@ -705,6 +705,18 @@ class Store:
         except RedisError as exc:
             raise StoreUnavailable(f"Redis failed: {exc}") from exc
 
+    async def mark_session(self, *, session: SessionRecord, longest_hash: str, marker: Marker) -> Continued | None:
+        """With Redis, one round trip for a turn of a named session: add its in-flight ``marker`` and read
+        the parent index's entry for ``longest_hash`` (give the result to :meth:`find_parent` as
+        ``indexed``). None without Redis. Raises StoreUnavailable when Redis fails."""
+        if self._redis is None:
+            return None
+        try:
+            parent = await self._redis.mark_and_find(session.id, longest_hash, marker)
+        except RedisError as exc:
+            raise StoreUnavailable(f"Redis failed (in-flight marker): {exc}") from exc
+        return Continued(session.id, session, parent, True)
+
     async def find_parent(
         self, *, session_id: str, candidates: Sequence[tuple[int, str]], indexed: Continued | None = None
     ) -> ParentMatch | None:

@@ -210,6 +210,17 @@ class RedisState:
         record = SessionRecord(**json.loads(raw)) if raw is not None else None
         return Continued(str(_text(sid)), record, _text(parent), bool(marked))
 
+    async def mark_and_find(self, session_id: str, longest_hash: str, marker: Marker) -> str | None:
+        """A named session's turn, in one round trip: add its in-flight ``marker`` and read the parent
+        index's entry for the longest candidate (None: not indexed). Raises ``RedisError``."""
+        key = marker.key_prefix + session_id
+        pipe = self.hot.pipeline(transaction=False)
+        pipe.zadd(key, {marker.member: marker.expiry})
+        pipe.expire(key, marker.key_ttl_s)
+        pipe.hget(f"{self.prefix}chain:{session_id}", longest_hash)
+        _, _, parent = await pipe.execute()
+        return _text(parent)
+
     # ---- chain-hash index ----
     async def chain_lookup(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:
         if not hashes:
