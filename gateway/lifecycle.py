@@ -221,16 +221,16 @@ class InFlight:
 
     @asynccontextmanager
     async def track(self, session_id: str) -> AsyncIterator[None]:
-        member = uuid.uuid4().hex
-        if self.redis is not None:
+        marker = self.marker()
+        if marker is not None:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zadd(self._key(session_id), {member: time.time() + self.ttl_s})
-                    pipe.expire(self._key(session_id), self._key_ttl())
+                    pipe.zadd(marker.key_prefix + session_id, {marker.member: marker.expiry})
+                    pipe.expire(marker.key_prefix + session_id, marker.key_ttl_s)
                     await pipe.execute()
             except RedisError as exc:
                 raise errors.StoreUnavailable(f"Redis failed (in-flight marker): {exc}") from exc
-        async with self.adopt(session_id, member if self.redis is not None else None):
+        async with self.adopt(session_id, marker.member if marker is not None else None):
             yield
 
     @asynccontextmanager

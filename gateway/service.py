@@ -192,14 +192,13 @@ class GenerationService:
         in-flight marker and the parent index's entry come in one round trip (``plan.tracked``)."""
         inflight = getattr(self.svc.app_state, "inflight", None)
         marker = inflight.marker() if inflight is not None and hashes else None
-        if marker is None:
-            await self._track(turn, session)
-            return None
-        try:
-            hit = await self.svc.store.mark_session(session=session, longest_hash=hashes[0], marker=marker)
-        except store_errors.StoreError as exc:
-            raise from_store_error(exc) from exc
-        if hit is None:
+        hit = None
+        if marker is not None:
+            try:
+                hit = await self.svc.store.mark_session(session=session, longest_hash=hashes[0], marker=marker)
+            except store_errors.StoreError as exc:
+                raise from_store_error(exc) from exc
+        if hit is None:  # no Redis, or nothing to look up (a first turn): the marker alone
             await self._track(turn, session)
             return None
         await turn.enter_async_context(inflight.adopt(session.id, marker.member))

@@ -381,6 +381,31 @@ async def test_session_binding_by_key_by_url_and_implicit(make_gw: Any) -> None:
         assert (await gw.post("/v1/sessions", {}, key=AGENT)).status_code == 403
 
 
+def record_redis_and_engine(gw: Gw) -> list[str]:
+    """From now on, the commands the gateway's lean Redis client sends (a pipeline as ``A+B``) and its engine
+    calls (``engine``), in order. The lifecycle's ``busy()`` check (``ZCOUNT``s), which a tick may run
+    alongside a turn, is left out."""
+    sent: list[str] = []
+    hot, engine = gw.store.redis_hot, gw.engine.handle_async_request
+
+    async def one(*args: Any) -> Any:
+        sent.append(str(args[0]))
+        return await type(hot).execute_command(hot, *args)
+
+    async def many(commands: Any, raise_on_error: bool = True) -> Any:
+        names = "+".join(str(c[0]) for c in commands)
+        if not names.startswith("ZCOUNT"):
+            sent.append(names)
+        return await type(hot).execute_many(hot, commands, raise_on_error=raise_on_error)
+
+    async def generate(request: httpx.Request) -> httpx.Response:
+        sent.append("engine")
+        return await engine(request)
+
+    hot.execute_command, hot.execute_many, gw.engine.handle_async_request = one, many, generate
+    return sent
+
+
 async def test_an_implicit_follow_up_finds_its_episode_in_one_redis_round_trip(make_gw: Any,
                                                                                 redis_prefix: str) -> None:
     """With Redis, a follow-up's episode, session record, parent and in-flight marker come from one script
@@ -391,24 +416,7 @@ async def test_an_implicit_follow_up_finds_its_episode_in_one_redis_round_trip(m
         msgs = [{"role": "user", "content": "hi"}]
         first = await gw.sdk().chat.completions.create(model="m", messages=msgs, max_tokens=5)
         follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
-        sent: list[str] = []
-        hot, engine = gw.store.redis_hot, gw.engine.handle_async_request
-
-        async def one(*args: Any) -> Any:
-            sent.append(str(args[0]))
-            return await type(hot).execute_command(hot, *args)
-
-        async def many(commands: Any, raise_on_error: bool = True) -> Any:
-            names = "+".join(str(c[0]) for c in commands)
-            if not names.startswith("ZCOUNT"):  # the lifecycle's busy() check, when a tick runs meanwhile
-                sent.append(names)
-            return await type(hot).execute_many(hot, commands, raise_on_error=raise_on_error)
-
-        async def generate(request: httpx.Request) -> httpx.Response:
-            sent.append("engine")
-            return await engine(request)
-
-        hot.execute_command, hot.execute_many, gw.engine.handle_async_request = one, many, generate
+        sent = record_redis_and_engine(gw)
         second = await gw.sdk().chat.completions.create(model="m", messages=follow, max_tokens=5)
         await gw.app.state.inflight.settle()
         assert sent == ["EVALSHA", "engine", "HSET+EXPIRE+SET+SET", "ZREM"]
@@ -438,24 +446,7 @@ async def test_a_named_sessions_follow_up_marks_and_finds_its_parent_in_one_redi
         msgs = [{"role": "user", "content": "hi"}]
         first = await client.chat.completions.create(model="m", messages=msgs, max_tokens=5)
         follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
-        sent: list[str] = []
-        hot, engine = gw.store.redis_hot, gw.engine.handle_async_request
-
-        async def many(commands: Any, raise_on_error: bool = True) -> Any:
-            names = "+".join(str(c[0]) for c in commands)
-            if not names.startswith("ZCOUNT"):  # the lifecycle's busy() check, when a tick runs meanwhile
-                sent.append(names)
-            return await type(hot).execute_many(hot, commands, raise_on_error=raise_on_error)
-
-        async def one(*args: Any) -> Any:
-            sent.append(str(args[0]))
-            return await type(hot).execute_command(hot, *args)
-
-        async def generate(request: httpx.Request) -> httpx.Response:
-            sent.append("engine")
-            return await engine(request)
-
-        hot.execute_command, hot.execute_many, gw.engine.handle_async_request = one, many, generate
+        sent = record_redis_and_engine(gw)
         second = await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
         await gw.app.state.inflight.settle()
         assert sent[:3] == ["HGET", "ZADD+EXPIRE+HGET", "engine"] and sent[-1] == "ZREM"  # the key's session, ...
