@@ -224,3 +224,32 @@ def test_postgres_starting_up_shutting_down_or_refusing_is_store_unavailable() -
     unique = asyncpg.exceptions.UniqueViolationError("duplicate key")
     assert isinstance(translate(sa_exc.IntegrityError("INSERT", {}, unique)), Conflict)
     assert dependency_outage(KeyError("a bug")) is None
+
+
+async def test_an_implicit_follow_up_after_a_redis_restart_sends_its_lookup_script_again(
+        make_gw: Any, private_redis: PrivateRedis) -> None:
+    """A restarted Redis has lost the scripts the gateway loaded at connect (and, without persistence, the
+    episode index): the follow-up's lookup answers NOSCRIPT, is sent whole, and the turn is served (a new
+    root, its episode being unknown now); the next follow-up is linked again."""
+    async with make_gw(["ok"], redis=private_redis.url, redis_prefix="restart:", tick_s=3600) as gw:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "before the restart"}]
+        first = await gw.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 3})
+        assert first.status_code == 200, first.text
+        private_redis.stop()
+        private_redis.start()
+        assert redis.Redis(port=private_redis.port).dbsize() == 0  # an empty server: no keys, no scripts
+        messages += [first.json()["choices"][0]["message"], {"role": "user", "content": "after"}]
+        second = None
+        for _ in range(50):  # the lean client's connection died with the server: 503 until it reconnects
+            second = await gw.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 3})
+            if second.status_code != 503:
+                break
+            await asyncio.sleep(0.1)
+        assert second is not None and second.status_code == 200, second.text
+        t2 = await gw.store.get_interaction(interaction_id=second.json()["id"])
+        assert t2.parent_id is None and t2.root_reason == "no_prefix_match"
+        messages += [second.json()["choices"][0]["message"], {"role": "user", "content": "and again"}]
+        third = await gw.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 3})
+        assert third.status_code == 200, third.text
+        t3 = await gw.store.get_interaction(interaction_id=third.json()["id"])
+        assert t3.parent_id == t2.id and t3.session_id == t2.session_id
