@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import redis
 
 from agentrl.procs import Processes
 from gateway.store import Store
@@ -191,13 +192,27 @@ def test_two_gateways_share_postgres_and_redis(gateway_factory: Any, pg_url: str
     fulls = full_sequences(pg_url, ids)
     for k in range(1, 4):
         assert fulls[k][: len(fulls[k - 1])] == fulls[k - 1]
-    # implicit mode across replicas: the follow-up served by B joins the episode A started
-    imp = [{"role": "user", "content": "implicit"}]
-    first = sdk(gw_a, gw_a.agent_key).chat.completions.create(model="tiny", messages=imp, max_tokens=4)
-    imp += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
-    second = sdk(gw_b, gw_b.agent_key).chat.completions.create(model="tiny", messages=imp, max_tokens=4)
-    t1, t2 = read_turns(pg_url, [first.id, second.id])
-    assert t2.parent_id == t1.id and t2.session_id == t1.session_id
+    # implicit mode across replicas: each follow-up, served by the other replica than the turn before (its
+    # own caches hold only every other turn of the episode), joins the episode A started through the
+    # episode lookup script, and leaves no in-flight marker behind on either
+    imp: list[dict[str, Any]] = [{"role": "user", "content": "implicit"}]
+    imp_ids = []
+    for turn, gw in enumerate((gw_a, gw_b, gw_a, gw_b, gw_a)):
+        r = sdk(gw, gw.agent_key).chat.completions.create(model="tiny", messages=imp, max_tokens=4, seed=turn)
+        imp_ids.append(r.id)
+        imp += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"again {turn}"}]
+    imp_turns = read_turns(pg_url, imp_ids)
+    assert [t.parent_id for t in imp_turns] == [None, *imp_ids[:-1]]
+    assert len({t.session_id for t in imp_turns}) == 1
+    imp_fulls = full_sequences(pg_url, imp_ids)
+    for k in range(1, len(imp_ids)):
+        assert imp_fulls[k][: len(imp_fulls[k - 1])] == imp_fulls[k - 1]
+    assert imp_turns[0].root_reason == "first_turn"
+    markers = redis.Redis.from_url(REDIS_URL)
+    deadline = time.monotonic() + 10  # a marker is removed in the background once its turn has ended
+    while markers.keys(redis_prefix + "inflight:*") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not markers.keys(redis_prefix + "inflight:*")
     # finishing through B is seen by A
     with gw_b.admin() as admin:
         assert admin.post(f"/v1/sessions/{sess['session_id']}/finish").status_code == 200
