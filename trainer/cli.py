@@ -39,16 +39,19 @@ def run(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
+    from trainer.model import close_distributed
+
+    finished = False
     try:
         state = train(settings)
         if dist.get_rank() == 0:
             print(f"agentrl train: done at step {state.step}, weight version {state.version}", file=sys.stderr)
+        finished = True
     except (SettingsError, WeightSyncError, GatewayError) as exc:
         print(f"agentrl train: {exc}", file=sys.stderr)
         return 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed(finished=finished)
     return 0
 
 

@@ -59,6 +59,18 @@ def init_distributed(device_name: str = "auto") -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), device, backend)
 
 
+def close_distributed(*, finished: bool) -> None:
+    """Leave the default process group. ``finished``: every rank got here the normal way, so they first
+    meet at a barrier; a rank that left the group while another still had gloo work in flight with it makes
+    that rank's gloo thread abort the process (SIGABRT, "terminate called without an active exception").
+    After an error the other ranks may never arrive, so there is no barrier then."""
+    if not dist.is_initialized():
+        return
+    if finished and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device | None = None,
                compile: bool = False, fsdp: bool | None = None) -> torch.nn.Module:
     """Load a Hugging Face causal LM and shard it with FSDP2 over the default process group (several ranks).

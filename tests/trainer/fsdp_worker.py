@@ -8,12 +8,11 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 
 from engine.models import tiny_dir
 from tests.trainer.helpers import synthetic_rows
 from trainer.config import TrainerSettings
-from trainer.model import init_distributed, iter_full_tensors, load_model
+from trainer.model import close_distributed, init_distributed, iter_full_tensors, load_model
 from trainer.step import train_step
 
 
@@ -33,7 +32,7 @@ def main(out: str, budget: int) -> None:
     result = one_step(budget)
     if result["rank"] == 0:
         torch.save(result, out)
-    dist.destroy_process_group()
+    close_distributed(finished=True)
 
 
 if __name__ == "__main__":
