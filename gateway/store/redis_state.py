@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
 
 from gateway.store.errors import StoreUnavailable
 from gateway.store.records import SessionRecord
@@ -128,6 +128,7 @@ class RedisState:
         self.hot: LeanRedis | aioredis.Redis = hot if hot is not None else client
         self.prefix = prefix
         self.errors = 0
+        self.publish_resent = 0  # after-commit publishes sent again on a new connection
         self._put_if_newer = client.register_script(_PUT_IF_NEWER)
         self._find_continued_sha = hashlib.sha1(_FIND_CONTINUED.encode()).hexdigest()
 
@@ -266,7 +267,9 @@ class RedisState:
         by_session: dict[str, dict[str, str]] = {}
         for session_id, chain_hash, interaction_id in chain_entries:
             by_session.setdefault(session_id, {})[chain_hash] = interaction_id
-        try:
+        first_session = 2 * len(by_session) + len(sequences)
+
+        async def send() -> list[Any]:
             pipe = self.hot.pipeline(transaction=False)
             for session_id, mapping in by_session.items():
                 key = f"{self.prefix}chain:{session_id}"
@@ -274,13 +277,23 @@ class RedisState:
                 pipe.expire(key, CHAIN_TTL_S)
             for interaction_id, packed in sequences:
                 pipe.set(f"{self.prefix}seq:{interaction_id}", packed, ex=SEQ_TTL_S)
-            first_session = len(pipe)
             for key_hash, record in sessions:  # EVALSHA: the script is loaded at connect (else NOSCRIPT below)
                 pipe.evalsha(self._put_if_newer.sha, 2, *self._session_keys(key_hash, record), record.version,
                              _session_json(record), SESSION_TTL_S)
             for key, value, ttl in extra:
                 pipe.set(key, value, ex=ttl)
-            results = await pipe.execute(raise_on_error=False)
+            return cast("list[Any]", await pipe.execute(raise_on_error=False))
+
+        try:
+            try:
+                results = await send()
+            except ConnectionError:
+                # The connection was lost (closed by Redis, a proxy or the network), not a slow server: send
+                # it again once on a new one. Every command here is idempotent (HSET/SET of the same values,
+                # the version-guarded session script). The episode index in ``extra`` has no copy in SQL: a
+                # first turn whose entry is lost would make its follow-up a new root.
+                self.publish_resent += 1
+                results = await send()
         except RedisError as exc:
             self._failed("turn publish", exc)
             for session_id in by_session:

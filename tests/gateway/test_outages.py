@@ -253,3 +253,50 @@ async def test_an_implicit_follow_up_after_a_redis_restart_sends_its_lookup_scri
         assert third.status_code == 200, third.text
         t3 = await gw.store.get_interaction(interaction_id=third.json()["id"])
         assert t3.parent_id == t2.id and t3.session_id == t2.session_id
+
+
+async def test_a_turn_whose_publish_loses_its_redis_connection_is_answered_and_its_follow_ups_link(
+        make_gw: Any, private_redis: PrivateRedis) -> None:
+    """Redis drops the gateway's connections (CLIENT KILL: the server and its keys stay) just as the
+    after-commit publish of a turn goes out. The turn is committed, so it is answered 200 and recorded, and
+    the publish is sent again on a new connection: the follow-up links to it. Both for a later turn of an
+    episode and for its first turn, whose episode-index entry has no copy in SQL (without the second send,
+    that follow-up became a new root, ``no_prefix_match``)."""
+    async with make_gw(["ok"], redis=private_redis.url, redis_prefix="cut:", tick_s=3600) as gw:
+        state = gw.store._redis
+        publish = state.publish_turns
+        cuts: list[int] = []
+
+        async def cut_then_publish(*args: Any, **kwargs: Any) -> None:
+            if armed:
+                armed.pop()
+                cuts.append(redis.Redis(port=private_redis.port).client_kill_filter(_type="normal", skipme=True))
+            await publish(*args, **kwargs)
+
+        state.publish_turns = cut_then_publish
+        armed: list[bool] = []
+
+        async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+            for _ in range(100):  # 503 while the lean client reconnects, retried as the SDK would
+                resp = await gw.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 3})
+                if resp.status_code != 503:
+                    break
+                await asyncio.sleep(0.05)
+            assert resp.status_code == 200, resp.text
+            body: dict[str, Any] = resp.json()
+            messages += [body["choices"][0]["message"], {"role": "user", "content": f"next {len(messages)}"}]
+            return body
+
+        for cut_at in (1, 0):  # the publish of the episode's second turn is cut, then of a first turn
+            messages: list[dict[str, Any]] = [{"role": "user", "content": f"episode cut at {cut_at}"}]
+            ids = []
+            for k in range(3):
+                if k == cut_at:
+                    armed.append(True)
+                ids.append((await turn(messages))["id"])
+                assert not armed
+            turns = [await gw.store.get_interaction(interaction_id=i) for i in ids]
+            assert [t.parent_id for t in turns] == [None, *ids[:-1]], (cut_at, [t.root_reason for t in turns])
+            assert len({t.session_id for t in turns}) == 1
+        assert len(cuts) == 2 and min(cuts) >= 1  # each cut killed the gateway's connections
+        assert state.publish_resent == 2  # each cut publish failed and was sent again on a new connection
