@@ -300,3 +300,54 @@ async def test_a_turn_whose_publish_loses_its_redis_connection_is_answered_and_i
             assert len({t.session_id for t in turns}) == 1
         assert len(cuts) == 2 and min(cuts) >= 1  # each cut killed the gateway's connections
         assert state.publish_resent == 2  # each cut publish failed and was sent again on a new connection
+
+
+async def test_a_postgres_stall_under_load_holds_turns_until_it_ends_and_loses_nothing(
+        make_gw: Any, pg_url: str, redis_prefix: str) -> None:
+    """Another client holds an exclusive lock on ``interactions`` for 4 s (a stalled database: a migration,
+    a long lock, an I/O stall) while eight agents run implicit conversations on PostgreSQL + Redis. The
+    turns wait for the database: none fails, the ones caught by the stall are answered when it ends, and
+    every agent's conversation is recorded as one chain, each acknowledged turn once, nothing else."""
+    import asyncpg
+
+    hold_s = 4.0
+    async with make_gw(["ok"], db=pg_url, redis=REDIS_URL, redis_prefix=redis_prefix, tick_s=3600) as gw:
+        statuses: Counter[int] = Counter()
+        waits: list[float] = []
+        acked: dict[int, list[str]] = {i: [] for i in range(8)}
+        stop = asyncio.Event()
+
+        async def agent(i: int) -> None:
+            messages: list[dict[str, Any]] = [{"role": "user", "content": f"agent {i} under a stall"}]
+            while not stop.is_set():
+                started = time.monotonic()
+                resp = await gw.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 3})
+                waits.append(time.monotonic() - started)
+                statuses[resp.status_code] += 1
+                assert resp.status_code == 200, resp.text
+                acked[i].append(resp.json()["id"])
+                messages += [resp.json()["choices"][0]["message"], {"role": "user", "content": f"more {len(acked[i])}"}]
+
+        agents = [asyncio.ensure_future(agent(i)) for i in range(8)]
+        await asyncio.sleep(0.5)
+        locker = await asyncpg.connect(pg_url.replace("postgresql+asyncpg", "postgresql"))
+        try:
+            async with locker.transaction():
+                await locker.execute("LOCK TABLE interactions IN ACCESS EXCLUSIVE MODE")
+                during = sum(statuses.values())
+                await asyncio.sleep(hold_s)
+                assert sum(statuses.values()) - during <= 8  # at most the turns already past their write
+        finally:
+            await locker.close()
+        released = sum(statuses.values())
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*agents), 60)
+        assert set(statuses) == {200}, statuses
+        assert max(waits) >= hold_s * 0.9, max(waits)  # turns were held by the stall
+        assert sum(statuses.values()) > released + 8  # and served again after it
+        for i, ids in acked.items():
+            turns = [await gw.store.get_interaction(interaction_id=turn_id) for turn_id in ids]
+            assert [t.parent_id for t in turns] == [None, *ids[:-1]], i
+            rows = await gw.store.session_interactions(session_id=turns[0].session_id)
+            assert sorted(r.id for r in rows) == sorted(ids), i  # nothing recorded that was not acknowledged
