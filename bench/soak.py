@@ -121,7 +121,7 @@ def rss_mb(pid: int) -> float:
 def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from engine.models import tiny_dir
 
-    out: dict[str, Any] = {"agents": args.agents, "seconds": args.seconds, "warmup_s": args.warmup,
+    out: dict[str, Any] = {"agents": args.agents, "seconds": args.seconds, "warmup_s": args.warmup, "settle_s": args.settle,
                            "db": args.db, "load_before": bench.loadavg()}
     with bench.pg_database("soak") as pg, Processes(work / "logs") as procs:  # the processes stop first
         up_port = free_port()
@@ -157,10 +157,11 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out["rss_idle_mb"] = rss_mb(pid)
         port = int(base.rsplit(":", 1)[1])
         argv = bench.wrk_argv(base + "/v1/chat/completions", concurrency=args.agents,
-                              duration_s=args.ramp + args.seconds, mode="session", turns=args.turns, stream=False,
+                              duration_s=args.ramp + args.settle + args.seconds, mode="session", turns=args.turns, stream=False,
                               key=bench.AGENT, tag=uuid.uuid4().hex[:6], timeout_s=CLIENT_TIMEOUT_S)
+        settle = f" and {args.settle:g} s more" if args.settle else ""
         print(f"soak: {args.agents} agents x {args.turns}-turn sessions for {args.seconds:g} s once all are "
-              f"connected (at most {args.ramp:g} s) on {args.db} ...", flush=True)
+              f"connected (at most {args.ramp:g} s){settle} on {args.db} ...", flush=True)
         wrk = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         ramp: list[float] = []  # when the gateway held every agent's connection
 
@@ -168,15 +169,17 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             while not stop.wait(0.5):
                 if not ramp and samples and agent_connections(pid, port) >= args.agents:
                     ramp.append(time.monotonic() - t0)
-                    print(f"soak: all agents connected after {ramp[0]:.0f} s; {args.seconds:g} s from now",
-                          flush=True)
+                    print(f"soak: all agents connected after {ramp[0]:.0f} s; the window starts "
+                          f"{args.settle:g} s from now and lasts {args.seconds:g} s", flush=True)
                     if census:
                         os.kill(pid, signal.SIGUSR1)  # census 1
                         census.pop(0)
-                if ramp and census and time.monotonic() - t0 >= ramp[0] + args.seconds - 3:
+                if ramp and "caches_at_window_start" not in out and time.monotonic() - t0 >= ramp[0] + args.settle:
+                    out["caches_at_window_start"] = caches(base)
+                if ramp and census and time.monotonic() - t0 >= ramp[0] + args.settle + args.seconds - 3:
                     os.kill(pid, signal.SIGUSR1)  # census 2
                     census.pop(0)
-                if ramp and samples[-1][0] >= ramp[0] + args.seconds:
+                if ramp and samples[-1][0] >= ramp[0] + args.settle + args.seconds:
                     wrk.send_signal(signal.SIGINT)  # wrk stops and prints its results
                     return
 
@@ -185,7 +188,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         stopper = threading.Thread(target=stop_wrk_after_the_window, daemon=True)
         stopper.start()
         try:
-            stdout, stderr = wrk.communicate(timeout=args.ramp + args.seconds + 300)
+            stdout, stderr = wrk.communicate(timeout=args.ramp + args.settle + args.seconds + 300)
             if wrk.returncode != 0:
                 raise RuntimeError(f"wrk failed ({wrk.returncode}): {stderr[-2000:]}")
             result = bench.parse_wrk(stdout)
@@ -195,6 +198,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             stopper.join()
         out["all_connected_at_s"] = ramp[0] if ramp else None
         out["rss_end_mb"] = rss_mb(pid)
+        out["caches_at_end"] = caches(base)
         if traced is not None:
             out["memory"] = traced_growth(pid, traced)
         stats = httpx.get(base + "/v1/trajectories/stats", headers={"Authorization": f"Bearer {bench.ADMIN}"},
@@ -217,7 +221,8 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out["all_connections_held_at_s"], out["rss_when_all_held_mb"] = held[0]
         out["rss_growth_after_all_held"] = out["rss_last_sample_mb"] / held[0][1] - 1
     start = out["all_connected_at_s"]
-    if start is not None:  # the soak proper: --seconds with every agent connected
+    if start is not None:  # the soak proper: --seconds with every agent connected (after --settle)
+        start += args.settle
         window = [(t, mb) for t, mb, _ in samples if start <= t <= start + args.seconds + 1]
         out["window_s"] = window[-1][0] - window[0][0]
         out["rss_window_first_sample_mb"], out["rss_window_last_sample_mb"] = window[0][1], window[-1][1]
@@ -227,6 +232,20 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         tail = [mb for t, mb in window if t >= window[-1][0] - TRIM_EVERY_S]
         out["rss_window_start_mb"], out["rss_window_end_mb"] = statistics.median(head), statistics.median(tail)
         out["rss_growth_window"] = out["rss_window_end_mb"] / out["rss_window_start_mb"] - 1
+    return out
+
+
+def caches(base: str) -> dict[str, dict[str, float]]:
+    """The gateway's in-process caches from /metrics: ``{cache: {"entries": n, "fill": share of its bound}}``
+    (a fill of 1: that cache's memory has stopped growing)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {bench.ADMIN}"}, timeout=120).text
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("agentrl_gateway_cache_entries", "agentrl_gateway_cache_fill"):
+            for sample in family.samples:
+                out.setdefault(sample.labels["cache"], {})[family.name.rsplit("_", 1)[1]] = sample.value
     return out
 
 
@@ -408,6 +427,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=20.0, help="also report RSS growth from this long into the load")
     parser.add_argument("--ramp", type=float, default=90.0,
                         help="at most this long for the gateway to hold every agent's connection; --seconds count from then")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="let the load run this long after every agent is connected before the window starts "
+                             "(the in-process caches fill meanwhile; 0: the window starts at once)")
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--db", choices=("postgres", "sqlite"), default="postgres", help="the soaked gateway's store")
     parser.add_argument("--history", default="1000,100000", help="finished sessions to seed, cumulative")
@@ -448,14 +470,18 @@ def main() -> int:
               f"last lifecycle tick {s['last_tick_ms_under_load']:.1f} ms; load {s['load_before']} -> {s['load_after']}")
         print(f"soak: the gateway's answers by status: {s['answers_by_status']}")
         if s.get("rss_growth_window") is not None:
-            print(f"soak: with every agent connected ({s['all_connected_at_s']:.0f} s to "
-                  f"{s['all_connected_at_s'] + s['window_s']:.0f} s): RSS {s['rss_window_start_mb']:.0f} -> "
+            begin = s['all_connected_at_s'] + s.get('settle_s', 0)
+            print(f"soak: with every agent connected ({begin:.0f} s to {begin + s['window_s']:.0f} s): RSS {s['rss_window_start_mb']:.0f} -> "
                   f"{s['rss_window_end_mb']:.0f} MB ({100 * s['rss_growth_window']:+.1f}%; target within 10%; "
                   f"medians of the first and last {TRIM_EVERY_S:g} s, one heap-trim cycle; single samples "
                   f"{s['rss_window_first_sample_mb']:.0f} -> {s['rss_window_last_sample_mb']:.0f} MB)")
         else:
             print(f"soak: the gateway never held all {args.agents} connections within {args.ramp:g} s: "
                   "no steady window to judge memory by")
+        for when in ("caches_at_window_start", "caches_at_end"):
+            if s.get(when):
+                print(f"soak: caches {when[len('caches_at_'):].replace('_', ' ')}: " + ", ".join(
+                    f"{name} {c['entries']:.0f} ({100 * c['fill']:.0f}% full)" for name, c in sorted(s[when].items())))
         if "all_connections_held_at_s" in s:
             print(f"soak: all {max(f for _, _, f in s['rss_samples'])} connections held from "
                   f"{s['all_connections_held_at_s']:.0f} s on (RSS {s['rss_when_all_held_mb']:.0f} MB): "

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import AlwaysAdmit
 from gateway.binding import ImplicitIndex
+from gateway.chat.normalize import link_cache_sizes
 from gateway.chat.template import ChatTemplate
 from gateway.context import Services
 from gateway.control import ControlPlane
@@ -306,6 +307,10 @@ def create_app(
                 settings=settings, store=opened, router=router, tokenizer=tok, template=template,
                 metrics=metrics, model_name=name, context_length=context, implicit=ImplicitIndex(opened),
                 app_state=app.state, control=control)
+            services = app.state.services
+            metrics.watch_caches(lambda: [*services.store.cache_sizes(), *services.implicit.cache_sizes(),
+                                          *services.router.cache_sizes(), *services.template.cache_sizes(),
+                                          *link_cache_sizes()])
             await router.start()
             await control.start()
             log.info("gateway ready: model %s, context %d, engines %s, db %s", name, context,

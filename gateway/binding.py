@@ -46,6 +46,7 @@ from gateway.errors import (
     from_store_error,
 )
 from gateway.settings import GatewaySettings
+from gateway.sizedlru import CacheSize
 from gateway.store import Continued, Marker, SessionRecord, Store
 from gateway.store import errors as store_errors
 
@@ -176,6 +177,12 @@ class ImplicitIndex:
 
     def _key(self, chain_hash: str) -> str:
         return f"{self.store.redis_prefix}gw:implicit:{chain_hash}"
+
+    def cache_sizes(self) -> list[CacheSize]:
+        """The episode index held here (without Redis only)."""
+        if self.store.redis_hot is not None:
+            return []
+        return [CacheSize("implicit_episodes", len(self._local), len(self._local), self.max_entries)]
 
     async def lookup(self, hashes: Sequence[str], marker: Marker | None = None) -> Continued | None:
         """The episode of the first hash (longest prefix first) that an implicit turn was stored under.

@@ -34,6 +34,7 @@ import httpx
 
 from gateway import jsonio
 from gateway.fasthttp import FastHTTP, HTTPFailure, lines, supported
+from gateway.sizedlru import CacheSize
 from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, GatewayError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -630,6 +631,10 @@ class EngineRouter:
             while len(self._affinity) > self._affinity_size:
                 self._affinity.popitem(last=False)
         return index
+
+    def cache_sizes(self) -> list[CacheSize]:
+        """The session -> engine affinity map."""
+        return [CacheSize("engine_affinity", len(self._affinity), len(self._affinity), self._affinity_size)]
 
     # ---- pause / resume ----
     @property

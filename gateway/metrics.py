@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from gateway.sizedlru import CacheSize
 
 MAX_UNKNOWN_FIELD_LABELS = 64  # distinct unknown field names kept as label values; the rest count as "_other"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _CacheCollector:
+    """Reads the caches' sizes when /metrics is scraped (nothing on a turn's path)."""
+
+    def __init__(self, sizes: Callable[[], Iterable[CacheSize]]) -> None:
+        self.sizes = sizes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        entries = GaugeMetricFamily("agentrl_gateway_cache_entries", "entries held by an in-process cache",
+                                    labels=["cache"])
+        fill = GaugeMetricFamily("agentrl_gateway_cache_fill",
+                                 "share of an in-process cache's bound it holds (1: full; its memory stops "
+                                 "growing)", labels=["cache"])
+        for size in self.sizes():
+            entries.add_metric([size.name], size.entries)
+            fill.add_metric([size.name], size.used / size.limit if size.limit > 0 else 0.0)
+        yield entries
+        yield fill
 
 
 class Metrics:
@@ -52,6 +75,7 @@ class Metrics:
                                       f"{MAX_UNKNOWN_FIELD_LABELS} names seen; later ones as _other)",
                                       ["field"], registry=r)
         self._unknown_names: set[str] = set()
+        self._caches: _CacheCollector | None = None
 
     def count_unknown_field(self, name: str) -> None:
         """Count an unknown request field. Its name comes from the client, so the label set is bounded:
@@ -63,6 +87,14 @@ class Metrics:
             else:
                 self._unknown_names.add(label)
         self.unknown_fields.labels(label).inc()
+
+    def watch_caches(self, sizes: Callable[[], Iterable[CacheSize]]) -> None:
+        """Export the bounded caches' sizes (``agentrl_gateway_cache_entries`` / ``_fill``), read at scrape
+        time. A second call (the app started again) replaces the first's source."""
+        if self._caches is None:
+            self._caches = _CacheCollector(sizes)
+            self.registry.register(self._caches)  # type: ignore[arg-type]
+        self._caches.sizes = sizes
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
+
+
+class CacheSize(NamedTuple):
+    """One bounded in-process cache as /metrics shows it: its entries, and how much of its bound it holds
+    (``used`` of ``limit``, in the bound's own unit: entries, tokens or characters)."""
+
+    name: str
+    entries: int
+    used: int
+    limit: int
+
 
 K = TypeVar("K")
 V = TypeVar("V")

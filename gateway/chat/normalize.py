@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.chat.errors import ChatFormatError
-from gateway.sizedlru import SizedLRU
+from gateway.sizedlru import CacheSize, SizedLRU
 
 Message = dict[str, Any]
 
@@ -356,6 +356,13 @@ class _LinkCache:
 
 
 _long_links = _LinkCache(_LONG_LINK_CACHE_CHARS)
+
+
+def link_cache_sizes() -> list[CacheSize]:
+    """The chain-link caches of this process (short messages by entries, longer ones by characters)."""
+    short = _plain_link.cache_info()
+    return [CacheSize("chain_links", short.currsize, short.currsize, short.maxsize or 0),
+            CacheSize("chain_links_long", len(_long_links), _long_links.chars, _LONG_LINK_CACHE_CHARS)]
 
 
 def chain_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -32,7 +32,7 @@ from jinja2 import TemplateError
 
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.hermes import text_of, to_hermes
-from gateway.sizedlru import SizedLRU
+from gateway.sizedlru import CacheSize, SizedLRU
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -114,6 +114,14 @@ class ChatTemplate:
         # Turns repeat from request to request (system prompt and tools, then every earlier turn), so with
         # a tokenizer that splits at end-of-turn each turn's text is tokenized once and then looked up.
         self._segment_ids = functools.lru_cache(maxsize=SEGMENT_CACHE_SIZE)(self._encode_packed)
+
+    def cache_sizes(self) -> list[CacheSize]:
+        """Renderings (by characters) and tokenized turn segments (by entries)."""
+        segments = self._segment_ids.cache_info()
+        out = [CacheSize("template_segments", segments.currsize, segments.currsize, segments.maxsize or 0)]
+        if self._renders is not None:
+            out.append(CacheSize("template_renders", len(self._renders), self._renders.size, self._renders.max_size))
+        return out
 
     # ------------------------------------------------------------------------------------ rendering
 

@@ -68,6 +68,7 @@ from gateway.store.rows import (
     reward_from_row,
     session_from_row,
 )
+from gateway.sizedlru import CacheSize
 from gateway.store.seqcache import SequenceCache, TurnCache
 from gateway.store.tree import parents_first, tree_json
 from gateway.store.writer import (PG_SERVER_SETTINGS, SQLITE_PRAGMAS, GroupCommitWriter, PostgresBatchWriter,
@@ -256,6 +257,15 @@ class Store:
             seq_cache_tokens=seq_cache_tokens,
             turn_cache_size=turn_cache_size,
         )
+
+    def cache_sizes(self) -> list[CacheSize]:
+        """The store's in-process caches (``/metrics``: ``agentrl_gateway_cache_*``)."""
+        out = [CacheSize("turns", len(self._turns), len(self._turns), self._turns.max_items),
+               CacheSize("sequences", len(self._seqs), self._seqs.tokens, self._seqs.max_tokens)]
+        if self._local:
+            out += [CacheSize("sessions", len(self._sessions), len(self._sessions), self._local_entries),
+                    CacheSize("chain_index", len(self._chains), len(self._chains), self._local_entries)]
+        return out
 
     async def close(self) -> None:
         """Flush pending writes, stop the writer, dispose of connections. Idempotent."""

@@ -21,6 +21,9 @@ class SequenceCache:
         self.misses = 0
         self._items: OrderedDict[str, bytes] = OrderedDict()
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def get(self, interaction_id: str) -> bytes | None:
         packed = self._items.get(interaction_id)
         if packed is None:
@@ -54,6 +57,9 @@ class TurnCache:
     def __init__(self, max_items: int) -> None:
         self.max_items = max_items
         self._items: OrderedDict[str, Interaction] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def get(self, interaction_id: str) -> Interaction | None:
         it = self._items.get(interaction_id)

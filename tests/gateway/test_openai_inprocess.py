@@ -676,6 +676,47 @@ async def test_admin_api_and_metrics(make_gw: Any) -> None:
         assert missing.status_code == 404 and "error" in missing.json()
 
 
+def cache_gauges(metrics: str) -> dict[str, dict[str, float]]:
+    """``{cache: {"entries": n, "fill": share}}`` from the gateway's /metrics text."""
+    out: dict[str, dict[str, float]] = {}
+    for line in metrics.splitlines():
+        for kind in ("entries", "fill"):
+            head = f"agentrl_gateway_cache_{kind}{{cache=\""
+            if line.startswith(head):
+                name, value = line[len(head):].split('"} ')
+                out.setdefault(name, {})[kind] = float(value)
+    return out
+
+
+async def test_metrics_show_how_full_each_in_process_cache_is(make_gw: Any) -> None:
+    """Two implicit turns on SQLite: the store's caches hold both, the caches kept here only without Redis
+    (sessions, chain index, episode index) are shown, and every fill is a share of its bound."""
+    async with make_gw(["a", "b"]) as gw:
+        before = cache_gauges((await gw.http.get("/metrics")).text)
+        assert before["turns"] == {"entries": 0.0, "fill": 0.0}
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "fill the caches"}]
+        for _ in range(2):
+            r = await gw.sdk().chat.completions.create(model="m", messages=messages, max_tokens=5)
+            messages += [assistant(r.choices[0].message), {"role": "user", "content": "more"}]
+        caches = cache_gauges((await gw.http.get("/metrics")).text)
+        assert set(caches) == {"turns", "sequences", "sessions", "chain_index", "implicit_episodes",
+                               "engine_affinity", "template_segments", "template_renders", "chain_links",
+                               "chain_links_long"}
+        assert caches["turns"]["entries"] == 2 and caches["turns"]["fill"] == 2 / gw.store._turns.max_items
+        assert caches["sequences"]["entries"] == 2 and 0 < caches["sequences"]["fill"] < 1
+        assert caches["implicit_episodes"]["entries"] >= 2 and caches["sessions"]["entries"] == 1
+        assert caches["chain_links"]["entries"] >= 3  # user, assistant, user (shared by the process)
+        assert all(0 <= c["fill"] <= 1 for c in caches.values()), caches
+
+
+async def test_metrics_leave_out_the_caches_redis_holds(make_gw: Any, redis_prefix: str) -> None:
+    async with make_gw(["a"], redis=REDIS_URL, redis_prefix=redis_prefix) as gw:
+        await gw.sdk().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        caches = cache_gauges((await gw.http.get("/metrics")).text)
+        assert {"sessions", "chain_index", "implicit_episodes"}.isdisjoint(caches)
+        assert caches["turns"]["entries"] == 1
+
+
 async def test_shutdown_right_after_a_trainer_update_completes(make_gw: Any) -> None:
     """POST /admin/trainer wakes the lifecycle loop; leaving the app's lifespan right after it must stop
     that loop (it used to keep running, its cancellation swallowed, and shutdown hung)."""
