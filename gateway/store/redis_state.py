@@ -324,6 +324,15 @@ class RedisState:
             return None
         return value if isinstance(value, bytes) else None
 
+    async def seq_get_many(self, interaction_ids: Sequence[str]) -> dict[str, bytes]:
+        """The cached sequences among ``interaction_ids`` (one MGET; a failure is only a cache miss)."""
+        try:
+            values = await self.hot.mget([f"{self.prefix}seq:{i}" for i in interaction_ids])
+        except RedisError as exc:
+            self._failed("sequence read", exc)
+            return {}
+        return {i: v for i, v in zip(interaction_ids, values) if isinstance(v, bytes)}
+
     async def seq_put(self, items: Iterable[tuple[str, bytes]]) -> None:
         try:
             pipe = self.hot.pipeline(transaction=False)

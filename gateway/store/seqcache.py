@@ -24,6 +24,9 @@ class SequenceCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, interaction_id: str) -> bool:
+        return interaction_id in self._items
+
     def get(self, interaction_id: str) -> bytes | None:
         packed = self._items.get(interaction_id)
         if packed is None:
@@ -32,6 +35,11 @@ class SequenceCache:
         self.hits += 1
         self._items.move_to_end(interaction_id)
         return packed
+
+    def discard(self, interaction_id: str) -> None:
+        packed = self._items.pop(interaction_id, None)
+        if packed is not None:
+            self.tokens -= len(packed) // 4
 
     def put(self, interaction_id: str, packed: bytes) -> None:
         size = len(packed) // 4

@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from gateway.store import Conflict, Store
 from gateway.store.api import hash_key
+from gateway.store.packing import unpack_i32
 from gateway.store.redis_state import RedisState
 from tests.conftest import REDIS_URL
 from tests.gateway.store.helpers import make_turn
@@ -242,4 +243,27 @@ async def test_redis_outage_falls_back_to_sql(pg_url: str, redis_prefix: str) ->
     finally:
         store._redis = live
         await dead.close()
+        await store.close()
+
+
+async def test_with_redis_a_turn_superseded_by_its_child_leaves_process_memory_not_redis(backend) -> None:
+    """A conversation's next turn extends the newest one: with Redis, once a turn's child is committed its
+    sequence leaves the in-process cache (Redis still has it, and a branch from it reads it there); without
+    Redis the process cache is the only one and keeps it."""
+    store = await backend.open()
+    try:
+        s = await store.create_session()
+        await store.record_interactions([make_turn("p0", s.id, None, prompt=[1, 2], output=[3])])
+        await store.record_interactions([make_turn("p1", s.id, "p0", prompt=[4], output=[5])])
+        await store.record_interactions([make_turn("p1b", s.id, "p0", prompt=[6], output=[7])])  # a branch
+        kept = {turn for turn in ("p0", "p1", "p1b") if turn in store._seqs}
+        if backend.redis_url is None:
+            assert kept == {"p0", "p1", "p1b"}
+        else:
+            assert kept == {"p1", "p1b"}
+            assert unpack_i32(await store._redis.seq_get("p0")) == [1, 2, 3]
+        assert await store.full_sequence(interaction_id="p0") == [1, 2, 3]
+        assert await store.full_sequence(interaction_id="p1b") == [1, 2, 3, 6, 7]
+        assert store._seqs.tokens == sum(len(packed) // 4 for packed in store._seqs._items.values())
+    finally:
         await store.close()
