@@ -4,7 +4,10 @@ In ONE run, for every scenario x concurrency (default 1, 8, 32, 128), each targe
 that the machine's changing load hits every target alike):
 
 - scenarios: **single** (one-turn conversations), **session** (each connection runs 20-turn sessions whose
-  history grows: turn k sends the k-1 earlier exchanges), each non-streamed and streamed;
+  history grows: turn k sends the k-1 earlier exchanges), each non-streamed and streamed; and
+  **session-named** (ours only): the same sessions as named ones, each created first with ``POST
+  /v1/sessions`` and driven with its own key (requests/s and p50 count the turns, not the creations; read
+  against LiteLLM's session row);
 - targets: the stand-in upstream called directly (its native ``/generate``, what our gateway calls, and its
   OpenAI route, what LiteLLM calls: the baselines of "added latency"); **ours** recording every turn in
   implicit mode (agent key) on SQLite, on PostgreSQL + Redis, and on PostgreSQL + Redis with
@@ -57,7 +60,11 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Say hello in one short sentence."}]
 PG_ADMIN = os.environ.get("AGENTRL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("AGENTRL_TEST_REDIS", "redis://127.0.0.1:6379/0")
-SCENARIOS = ("single", "single-stream", "session", "session-stream")
+PEER_SCENARIOS = ("single", "single-stream", "session", "session-stream")
+# session-named: the session scenario through named sessions (each created first, its turns sent with its
+# own key: how an agent runner that creates sessions drives the gateway); ours only, read against the
+# peer's plain session rows (a plain proxy has no sessions)
+SCENARIOS = (*PEER_SCENARIOS, "session-named")
 
 
 # ------------------------------------------------------------------------------------------ wrk
@@ -65,7 +72,7 @@ SCENARIOS = ("single", "single-stream", "session", "session-stream")
 def wrk_argv(url: str, *, concurrency: int, duration_s: float, mode: str, turns: int, stream: bool, key: str,
              tag: str, body_file: Path | None = None, timeout_s: float = 60.0) -> list[str]:
     """The wrk command line. Session mode needs one connection per thread (the script's state is per thread)."""
-    threads = concurrency if mode == "session" else min(concurrency, 2)
+    threads = concurrency if mode in ("session", "named") else min(concurrency, 2)
     # wrk reads whole seconds only ("12.8s" is refused)
     argv = ["wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{max(1, round(duration_s))}s", "--timeout",
             f"{round(timeout_s)}s", "-s", str(WRK_SCRIPT), url, "--", mode, str(turns), "1" if stream else "0", key, tag]
@@ -74,8 +81,9 @@ def wrk_argv(url: str, *, concurrency: int, duration_s: float, mode: str, turns:
     return argv
 
 
-def parse_wrk(output: str) -> dict[str, Any]:
-    """The ``WRKJSON {...}`` line that ``chat.lua`` prints, with requests/s, ms figures and an error total."""
+def parse_wrk(output: str, *, named: bool = False) -> dict[str, Any]:
+    """The ``WRKJSON {...}`` line that ``chat.lua`` prints, with requests/s, ms figures and an error total.
+    ``named``: requests/s and p50 count the chat turns only, not the sessions' creation."""
     for line in output.splitlines():
         if line.startswith("WRKJSON "):
             raw = json.loads(line[len("WRKJSON "):])
@@ -91,14 +99,17 @@ def parse_wrk(output: str) -> dict[str, Any]:
         "turn_p50_ms": [None if v is None else v / 1e3 for v in raw["turn_p50_us"]], "turn_n": raw["turn_n"],
         "error_kinds": {k: raw[k] for k in ("connect_errors", "read_errors", "write_errors", "timeouts", "non200")
                         if raw[k]},
+        **({"requests": raw["chat_requests"], "rps": raw["chat_requests"] / seconds if seconds else 0.0,
+            "p50_ms": raw["chat_p50_us"] / 1e3}
+           if named else {}),
     }
 
 
-def run_wrk(argv: list[str], timeout_s: float) -> dict[str, Any]:
+def run_wrk(argv: list[str], timeout_s: float, *, named: bool = False) -> dict[str, Any]:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stderr[-2000:]}")
-    return parse_wrk(done.stdout)
+    return parse_wrk(done.stdout, named=named)
 
 
 def loadavg() -> list[float]:
@@ -230,7 +241,8 @@ def measure(targets: list[Target], levels: list[int], duration_s: float, turns: 
     results: list[dict[str, Any]] = []
     run_tag = uuid.uuid4().hex[:6]
     for scenario in scenarios:
-        mode, stream = ("session" if scenario.startswith("session") else "raw"), scenario.endswith("stream")
+        mode = "named" if scenario == "session-named" else "session" if scenario.startswith("session") else "raw"
+        stream = scenario.endswith("stream")
         for c in levels:
             loads.append({"scenario": scenario, "concurrency": c, "loadavg": loadavg(), "at": time.time()})
             for t in targets:
@@ -240,20 +252,21 @@ def measure(targets: list[Target], levels: list[int], duration_s: float, turns: 
                 tag = f"{run_tag}{t.name}{scenario}{c}"
                 # long enough for every connection to finish a few requests at a few tens of req/s
                 seconds = max(duration_s, c / 10)
+                key = ADMIN if mode == "named" else t.key  # named: the key that creates the sessions
                 argv = wrk_argv(t.url, concurrency=c, duration_s=seconds, mode=mode, turns=turns, stream=stream,
-                                key=t.key, tag=tag, body_file=body)
+                                key=key, tag=tag, body_file=body)
                 # a small warm-up: the requests wrk leaves in flight when it stops are still served, and a
                 # backlog of 128 would land on the measurement
                 warm = wrk_argv(t.url, concurrency=min(c, 4), duration_s=1, mode=mode, turns=turns, stream=stream,
-                                key=t.key, tag="w" + tag, body_file=body)
+                                key=key, tag="w" + tag, body_file=body)
                 drain(t)
                 run_wrk(warm, timeout_s=120)
                 drain(t)
-                r = run_wrk(argv, timeout_s=seconds + 180)
+                r = run_wrk(argv, timeout_s=seconds + 180, named=mode == "named")
                 r.update(target=t.name, scenario=scenario, concurrency=c)
                 results.append(r)
                 turn_info = ""
-                if mode == "session" and r["turn_p50_ms"] and r["turn_p50_ms"][0] is not None:
+                if mode != "raw" and r["turn_p50_ms"] and r["turn_p50_ms"][0] is not None:
                     last = r["turn_p50_ms"][-1]
                     turn_info = f"  turn1 {r['turn_p50_ms'][0]:.2f} ms, turn{turns} " + (
                         f"{last:.2f} ms" if last is not None else "n/a")
@@ -271,7 +284,8 @@ def table(results: list[dict[str, Any]], turns: int) -> list[dict[str, Any]]:
         if r["target"].startswith("upstream"):
             continue
         key = (r["scenario"], r["concurrency"])
-        peer = by.get(("litellm", *key))
+        # a plain proxy has no named sessions: its session row is the same conversations' traffic
+        peer = by.get(("litellm", "session" if r["scenario"] == "session-named" else r["scenario"], r["concurrency"]))
         base = by.get(("upstream-openai" if r["target"] == "litellm" else "upstream-native", *key))
         one = by.get(("ours-pg", *key))
         t1 = r["turn_p50_ms"][0] if r["turn_p50_ms"] else None
@@ -411,7 +425,7 @@ def main() -> int:
                 targets.append(ours(name, base, pid, db))
         if litellm:
             base = start_litellm(procs, litellm, upstream, work)
-            targets.append(Target("litellm", base + "/v1/chat/completions", PEER_KEY, "peer",
+            targets.append(Target("litellm", base + "/v1/chat/completions", PEER_KEY, "peer", scenarios=PEER_SCENARIOS,
                                   body_file=bodies["chat"], extra={"stream_body": bodies["chat-stream"]}))
         print(f"targets: {', '.join(t.name for t in targets)}; {args.duration:g} s per measurement (+1 s warm-up)",
               flush=True)
