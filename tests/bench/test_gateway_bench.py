@@ -111,3 +111,53 @@ def test_wrk_session_script_grows_the_history() -> None:
     # every session runs turns 1, 2, 3 in order on its connection
     firsts = {b["messages"][1]["content"] for b in bodies}
     assert len(firsts) < len(bodies)
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (apt-get install wrk)")
+def test_wrk_named_script_creates_each_session_and_sends_its_turns_with_its_key() -> None:
+    """Named mode: every 3-turn session starts with POST /v1/sessions (the runner's key); its turns carry the
+    key that answer gave, and requests/s counts the turns only."""
+    seen: list[tuple[str, str, int]] = []  # (path, authorization, user messages)
+    lock = threading.Lock()
+    made = iter(range(1_000_000))
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            users = sum(m["role"] == "user" for m in body.get("messages", []))
+            with lock:
+                seen.append((self.path, self.headers["Authorization"], users))
+                out = (json.dumps({"session_id": "s", "api_key": f"sk-{next(made)}"}).encode()
+                       if self.path == "/v1/sessions" else b'{"ok": true}')
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+        argv = bench.wrk_argv(url, concurrency=2, duration_s=1, mode="named", turns=3, stream=False,
+                              key="runner", tag="tg")
+        got = bench.run_wrk(argv, timeout_s=60, named=True)
+    finally:
+        server.shutdown()
+    creations = [s for s in seen if s[0] == "/v1/sessions"]
+    turns = [s for s in seen if s[0] == "/v1/chat/completions"]
+    assert creations and all(auth == "Bearer runner" for _, auth, _ in creations)
+    assert all(auth.startswith("Bearer sk-") for _, auth, _ in turns)
+    keys: dict[str, list[int]] = {}
+    for _, auth, users in turns:
+        keys.setdefault(auth, []).append(users)
+    assert all(users == list(range(1, len(users) + 1)) for users in keys.values()), keys  # one session per key
+    # wrk counts the answers it got: the server also saw the turns in flight (one per connection) when it stopped
+    assert got["errors"] == 0 and len(turns) - 2 <= got["requests"] <= len(turns)
+    assert got["turn_n"][0] >= got["turn_n"][2] >= 1
