@@ -11,6 +11,8 @@ import json
 import shutil
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -66,9 +68,10 @@ def test_table_ratios() -> None:
     assert "| single | 8 | ours-pg | 100.0 |" in bench.markdown(rows, 2)
 
 
-@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (apt-get install wrk)")
-def test_wrk_session_script_grows_the_history() -> None:
-    bodies: list[dict] = []
+@contextmanager
+def chat_server(answer: Callable[[str, str, dict], bytes]) -> Iterator[str]:
+    """A local HTTP server whose POSTs are answered 200 with ``answer(path, authorization, body)`` (called
+    under one lock); yields the chat completions URL on it."""
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -77,8 +80,7 @@ def test_wrk_session_script_grows_the_history() -> None:
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with lock:
-                bodies.append(body)
-            out = b'{"ok": true}'
+                out = answer(self.path, self.headers["Authorization"], body)
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(out)))
@@ -92,12 +94,23 @@ def test_wrk_session_script_grows_the_history() -> None:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (apt-get install wrk)")
+def test_wrk_session_script_grows_the_history() -> None:
+    bodies: list[dict] = []
+
+    def answer(_path: str, _auth: str, body: dict) -> bytes:
+        bodies.append(body)
+        return b'{"ok": true}'
+
+    with chat_server(answer) as url:
         argv = bench.wrk_argv(url, concurrency=2, duration_s=1, mode="session", turns=3, stream=False,
                               key="k", tag="tg")
         got = bench.run_wrk(argv, timeout_s=60)
-    finally:
-        server.shutdown()
     assert got["errors"] == 0 and got["requests"] >= 6 and len(got["turn_p50_ms"]) == 3
     assert got["turn_n"][0] >= got["turn_n"][2] >= 1
     for body in bodies:
@@ -118,38 +131,18 @@ def test_wrk_named_script_creates_each_session_and_sends_its_turns_with_its_key(
     """Named mode: every 3-turn session starts with POST /v1/sessions (the runner's key); its turns carry the
     key that answer gave, and requests/s counts the turns only."""
     seen: list[tuple[str, str, int]] = []  # (path, authorization, user messages)
-    lock = threading.Lock()
     made = iter(range(1_000_000))
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def answer(path: str, auth: str, body: dict) -> bytes:
+        seen.append((path, auth, sum(m["role"] == "user" for m in body.get("messages", []))))
+        if path == "/v1/sessions":
+            return json.dumps({"session_id": "s", "api_key": f"sk-{next(made)}"}).encode()
+        return b'{"ok": true}'
 
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            users = sum(m["role"] == "user" for m in body.get("messages", []))
-            with lock:
-                seen.append((self.path, self.headers["Authorization"], users))
-                out = (json.dumps({"session_id": "s", "api_key": f"sk-{next(made)}"}).encode()
-                       if self.path == "/v1/sessions" else b'{"ok": true}')
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1/chat/completions"
+    with chat_server(answer) as url:
         argv = bench.wrk_argv(url, concurrency=2, duration_s=1, mode="named", turns=3, stream=False,
                               key="runner", tag="tg")
         got = bench.run_wrk(argv, timeout_s=60, named=True)
-    finally:
-        server.shutdown()
     creations = [s for s in seen if s[0] == "/v1/sessions"]
     turns = [s for s in seen if s[0] == "/v1/chat/completions"]
     assert creations and all(auth == "Bearer runner" for _, auth, _ in creations)
