@@ -147,10 +147,8 @@ def sync(device: torch.device) -> None:
 
 def step_worker(args: argparse.Namespace) -> int:
     """Under torchrun: ``--steps`` GRPO steps on the synthetic batch; rank 0 writes the metrics as JSON."""
-    import torch.distributed as dist
-
     from trainer.config import TrainerSettings
-    from trainer.model import init_distributed, load_model
+    from trainer.model import close_distributed, init_distributed, load_model
     from trainer.step import train_step
 
     info = init_distributed(args.device)
@@ -168,7 +166,7 @@ def step_worker(args: argparse.Namespace) -> int:
     if info.is_main:
         Path(args.result_file).write_text(json.dumps({"world_size": info.world_size, "steps": steps,
                                                       "peak_gib_rank0": peak}))
-    dist.destroy_process_group()
+    close_distributed(finished=True)
     return 0
 
 
@@ -648,10 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = [c["check"] for c in checks if not c["ok"]]
     if failed:
         print(f"FAILED checks: {failed}", flush=True)
-    import torch.distributed as dist
+    from trainer.model import close_distributed
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    close_distributed(finished=True)
     return 1 if failed else 0
 
 

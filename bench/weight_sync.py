@@ -197,16 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     shapes = args.model_shape or ["tiny", "smollm2"]
 
-    import torch.distributed as dist
-
     from agentrl.procs import Processes
+    from trainer.model import close_distributed
 
     rows: list[dict] = []
     with Processes(Path(tempfile.mkdtemp(prefix="agentrl-bench-ws-"))) as procs:
         for shape in shapes:
             rows += bench_shape(shape, args, procs)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    close_distributed(finished=True)
 
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU x{os.cpu_count()}"
     print(f"\nweight push, trainer -> engine ({device}, torch {torch.__version__}, median of {args.repeats})")
