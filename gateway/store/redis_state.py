@@ -267,9 +267,10 @@ class RedisState:
         by_session: dict[str, dict[str, str]] = {}
         for session_id, chain_hash, interaction_id in chain_entries:
             by_session.setdefault(session_id, {})[chain_hash] = interaction_id
-        first_session = 2 * len(by_session) + len(sequences)
+        first_session = 0  # the index of the first session script's reply
 
         async def send() -> list[Any]:
+            nonlocal first_session
             pipe = self.hot.pipeline(transaction=False)
             for session_id, mapping in by_session.items():
                 key = f"{self.prefix}chain:{session_id}"
@@ -277,6 +278,7 @@ class RedisState:
                 pipe.expire(key, CHAIN_TTL_S)
             for interaction_id, packed in sequences:
                 pipe.set(f"{self.prefix}seq:{interaction_id}", packed, ex=SEQ_TTL_S)
+            first_session = len(pipe)
             for key_hash, record in sessions:  # EVALSHA: the script is loaded at connect (else NOSCRIPT below)
                 pipe.evalsha(self._put_if_newer.sha, 2, *self._session_keys(key_hash, record), record.version,
                              _session_json(record), SESSION_TTL_S)

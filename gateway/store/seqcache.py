@@ -45,9 +45,7 @@ class SequenceCache:
         size = len(packed) // 4
         if size > self.max_tokens:
             return
-        old = self._items.pop(interaction_id, None)
-        if old is not None:
-            self.tokens -= len(old) // 4
+        self.discard(interaction_id)
         self._items[interaction_id] = packed
         self.tokens += size
         while self.tokens > self.max_tokens:
