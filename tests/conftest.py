@@ -2,15 +2,55 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+try:
+    import pytest_timeout
+except ImportError:  # pragma: no cover - a dev dependency
+    pytest_timeout = None
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+if pytest_timeout is not None:
+    _dump_threads = pytest_timeout.dump_stacks
+
+    def _dump_threads_and_tasks(terminal: Any) -> None:
+        """pytest-timeout prints every thread's stack when a test runs out of time; an async test's hang is
+        a task awaiting something, which a thread's stack does not show (the loop sits in ``select``), so
+        the tasks of the loop it interrupted are printed too."""
+        _dump_threads(terminal)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for task in asyncio.all_tasks(loop):
+            terminal.sep("~", title=f"Task {task.get_name()}")
+            terminal.write(f"{task!r}\n" + "".join(f"{line}\n" for line in _awaiting(task.get_coro())))
+
+    pytest_timeout.dump_stacks = _dump_threads_and_tasks
+
+
+def _awaiting(coro: Any) -> list[str]:
+    """Where a suspended coroutine waits: its frame, then the frame of what it awaits, down the chain."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is None:
+            break
+        lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}')
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return lines
+
+    pytest_timeout.dump_stacks = _dump_threads_and_tasks
 
 
 @pytest.fixture(scope="session")
