@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # before bench/, whose gateway.py would shadow the gateway package
 
 from agentrl.procs import Processes  # noqa: E402
+from gateway.metrics import cache_gauges  # noqa: E402
 from gateway.workers import TRIM_MEMORY_S as TRIM_EVERY_S  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
@@ -238,15 +239,8 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def caches(base: str) -> dict[str, dict[str, float]]:
     """The gateway's in-process caches from /metrics: ``{cache: {"entries": n, "fill": share of its bound}}``
     (a fill of 1: that cache's memory has stopped growing)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {bench.ADMIN}"}, timeout=120).text
-    out: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in ("agentrl_gateway_cache_entries", "agentrl_gateway_cache_fill"):
-            for sample in family.samples:
-                out.setdefault(sample.labels["cache"], {})[family.name.rsplit("_", 1)[1]] = sample.value
-    return out
+    return cache_gauges(text)
 
 
 def answers_by_status(base: str) -> dict[str, int]:

@@ -34,6 +34,18 @@ class _CacheCollector:
         yield fill
 
 
+def cache_gauges(text: str) -> dict[str, dict[str, float]]:
+    """The cache gauges of a /metrics text: ``{cache: {"entries": n, "fill": share of its bound}}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("agentrl_gateway_cache_entries", "agentrl_gateway_cache_fill"):
+            for sample in family.samples:
+                out.setdefault(sample.labels["cache"], {})[family.name.rsplit("_", 1)[1]] = sample.value
+    return out
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()

@@ -346,6 +346,9 @@ class _LinkCache:
     def hits(self) -> int:
         return self._items.hits
 
+    def cache_size(self, name: str) -> CacheSize:
+        return CacheSize(name, len(self._items), self._items.size, self._items.max_size)
+
     def __call__(self, previous: str, role: str, content: str) -> str:
         key = (previous, role, content)
         link = self._items.get(key)
@@ -362,7 +365,7 @@ def link_cache_sizes() -> list[CacheSize]:
     """The chain-link caches of this process (short messages by entries, longer ones by characters)."""
     short = _plain_link.cache_info()
     return [CacheSize("chain_links", short.currsize, short.currsize, short.maxsize or 0),
-            CacheSize("chain_links_long", len(_long_links), _long_links.chars, _LONG_LINK_CACHE_CHARS)]
+            _long_links.cache_size("chain_links_long")]
 
 
 def chain_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from gateway.app import SERVING_GC_THRESHOLDS, create_app, load_tokenizer
+from gateway.metrics import cache_gauges
 from gateway.settings import GatewaySettings
 from gateway.standin import build_app
 from gateway.store import Store
@@ -674,18 +675,6 @@ async def test_admin_api_and_metrics(make_gw: Any) -> None:
         assert "agentrl_gateway_template_drift_total" in metrics
         missing = await gw.http.get("/v1/nothing")
         assert missing.status_code == 404 and "error" in missing.json()
-
-
-def cache_gauges(metrics: str) -> dict[str, dict[str, float]]:
-    """``{cache: {"entries": n, "fill": share}}`` from the gateway's /metrics text."""
-    out: dict[str, dict[str, float]] = {}
-    for line in metrics.splitlines():
-        for kind in ("entries", "fill"):
-            head = f"agentrl_gateway_cache_{kind}{{cache=\""
-            if line.startswith(head):
-                name, value = line[len(head):].split('"} ')
-                out.setdefault(name, {})[kind] = float(value)
-    return out
 
 
 async def test_metrics_show_how_full_each_in_process_cache_is(make_gw: Any) -> None:
