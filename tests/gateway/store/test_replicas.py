@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from gateway.store import Conflict, Store
 from gateway.store.api import hash_key
@@ -265,5 +266,34 @@ async def test_with_redis_a_turn_superseded_by_its_child_leaves_process_memory_n
         assert await store.full_sequence(interaction_id="p0") == [1, 2, 3]
         assert await store.full_sequence(interaction_id="p1b") == [1, 2, 3, 6, 7]
         assert store._seqs.tokens == sum(len(packed) // 4 for packed in store._seqs._items.values())
+    finally:
+        await store.close()
+
+
+async def test_redis_failing_while_a_branch_reads_its_parent_leaves_the_branch_to_sql(pg_url: str,
+                                                                                       redis_prefix: str) -> None:
+    """A branch committed after its parent's copy left the process reads the parent from Redis at commit
+    (one MGET). Redis failing right then is only a cache miss: the branch is committed and answered, its
+    sequence is not cached anywhere, and it is rebuilt from SQL when asked for; the failure is counted."""
+    store = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    try:
+        s = await store.create_session()
+        await store.record_interactions([make_turn("p0", s.id, None, prompt=[1, 2], output=[3])])
+        await store.record_interactions([make_turn("p1", s.id, "p0", prompt=[4], output=[5])])
+        assert "p0" not in store._seqs  # its child is committed: only Redis has it now
+        hot, errors = store._redis.hot, store._redis.errors
+
+        async def refused(*args: object) -> object:
+            if args[0] == "MGET":
+                raise redis.exceptions.ConnectionError("Redis connection lost (injected)")
+            return await type(hot).execute_command(hot, *args)
+
+        hot.execute_command = refused
+        await store.record_interactions([make_turn("p1b", s.id, "p0", prompt=[6], output=[7])])
+        del hot.execute_command
+        assert store._redis.errors == errors + 1
+        assert "p1b" not in store._seqs and await store._redis.seq_get("p1b") is None
+        assert await store.full_sequence(interaction_id="p1b") == [1, 2, 3, 6, 7]  # from SQL
+        assert (await store.get_interaction(interaction_id="p1b")).parent_id == "p0"
     finally:
         await store.close()
