@@ -189,16 +189,25 @@ class ImplicitIndex:
 
         With Redis this is one round trip that also brings the session's cached record, the parent index's
         entry for the longest hash and adds ``marker`` (``Store.find_continued``); without Redis only
-        ``session_id`` is known (from this process's map)."""
+        ``session_id`` is known (from this process's map). A hash in neither is looked up in SQL (the
+        stored turns' chain hashes), which then brings the session's record."""
         if not hashes:
             return None
         if self.store.redis is not None:
-            return await self.store.find_continued(index_keys=[self._key(h) for h in hashes], longest_hash=hashes[0],
-                                                   marker=marker)
-        for h in hashes:
-            if h in self._local:
-                return Continued(self._local[h], None, None, False)
-        return None
+            hit = await self.store.find_continued(index_keys=[self._key(h) for h in hashes],
+                                                  longest_hash=hashes[0], marker=marker)
+            if hit is not None:
+                return hit
+        else:
+            for h in hashes:
+                if h in self._local:
+                    return Continued(self._local[h], None, None, False)
+        # Not in the index: this process restarted (without Redis the index lived in it), Redis lost it (a
+        # restart without persistence), the entry expired or was evicted, or the conversation never went
+        # through this gateway (few-shot assistant messages). The turns themselves are in SQL: one indexed
+        # query finds the episode, so a conversation that outlived its index entry is not cut in two.
+        record = await self.store.find_session_by_chain(chain_hashes=hashes, implicit_only=True)
+        return Continued(record.id, record, None, False) if record is not None else None
 
     def redis_entries(self, entries: Sequence[tuple[str, str]]) -> list[tuple[str, str, int]]:
         """``(chain_hash, session_id)`` entries as the Redis ``(key, value, ttl)`` sets that :meth:`add`

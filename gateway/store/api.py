@@ -126,6 +126,9 @@ def _path_ids_sql() -> sa.TextClause:
     )
 
 
+FIND_BY_CHAIN_ROWS = 64  # find_session_by_chain reads at most this many of the newest matching turns
+
+
 class Store:
     """The durable conversation store. Create with ``await Store.open(...)``; one per process."""
 
@@ -800,6 +803,9 @@ class Store:
             .join(s, s.c.id == i.c.session_id)
             .where(i.c.chain_hash.in_(set(chain_hashes)))
             .order_by(i.c.created_at.desc(), i.c.id.desc())
+            # the newest turns only: a prefix repeated by many episodes (identical greedy answers) must not
+            # read them all; a conversation's longest prefix is its newest turn, so it is among these
+            .limit(FIND_BY_CHAIN_ROWS)
         )
         async with self._read() as conn:
             rows = (await conn.execute(query)).mappings().all()

@@ -382,6 +382,32 @@ async def test_session_binding_by_key_by_url_and_implicit(make_gw: Any) -> None:
         assert (await gw.post("/v1/sessions", {}, key=AGENT)).status_code == 403
 
 
+async def test_an_implicit_conversation_outlives_a_restart_without_redis(make_gw: Any) -> None:
+    """Without Redis the implicit-episode index lives in the process. After a restart a follow-up finds its
+    episode through the stored turns (SQL) and links to its parent; the same conversation sent with another
+    agent key is still a new root, and so is one whose assistant message the gateway never answered."""
+    msgs = [{"role": "user", "content": "hi"}]
+    async with make_gw(["a"], agent_key=[AGENT, OTHER]) as gw:
+        first = await gw.sdk().chat.completions.create(model="m", messages=msgs, max_tokens=5)
+    follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
+    async with make_gw(["b", "c", "d"], agent_key=[AGENT, OTHER]) as gw:  # the same database file
+        t1 = await gw.store.get_interaction(interaction_id=first.id)
+        second = await gw.sdk().chat.completions.create(model="m", messages=follow, max_tokens=5)
+        t2 = await gw.store.get_interaction(interaction_id=second.id)
+        assert t2.parent_id == t1.id and t2.session_id == t1.session_id and t2.root_reason is None
+        full1 = await gw.store.full_sequence(interaction_id=t1.id)
+        assert (await gw.store.full_sequence(interaction_id=t2.id))[:len(full1)] == full1
+        other = await gw.sdk(key=OTHER).chat.completions.create(model="m", messages=follow, max_tokens=5)
+        t3 = await gw.store.get_interaction(interaction_id=other.id)
+        assert t3.parent_id is None and t3.session_id != t1.session_id and t3.root_reason == "no_prefix_match"
+        unseen = msgs + [{"role": "assistant", "content": "words the gateway never sent"},
+                         {"role": "user", "content": "go"}]
+        r = await gw.sdk().chat.completions.create(model="m", messages=unseen, max_tokens=5)
+        t4 = await gw.store.get_interaction(interaction_id=r.id)
+        assert t4.parent_id is None and t4.root_reason == "no_prefix_match"
+        assert t4.session_id not in (t1.session_id, t3.session_id)
+
+
 def record_redis_and_engine(gw: Gw) -> list[str]:
     """From now on, the commands the gateway's lean Redis client sends (a pipeline as ``A+B``) and its engine
     calls (``engine``), in order. The lifecycle's ``busy()`` check (``ZCOUNT``s), which a tick may run

@@ -228,9 +228,9 @@ def test_postgres_starting_up_shutting_down_or_refusing_is_store_unavailable() -
 
 async def test_an_implicit_follow_up_after_a_redis_restart_sends_its_lookup_script_again(
         make_gw: Any, private_redis: PrivateRedis) -> None:
-    """A restarted Redis has lost the scripts the gateway loaded at connect (and, without persistence, the
-    episode index): the follow-up's lookup answers NOSCRIPT, is sent whole, and the turn is served (a new
-    root, its episode being unknown now); the next follow-up is linked again."""
+    """A restarted Redis has lost the scripts the gateway loaded at connect and, without persistence, the
+    episode index: the follow-up's lookup answers NOSCRIPT, is sent whole, finds nothing, and the episode is
+    found through the stored turns (SQL): the turn is served and linked to its parent; so is the next one."""
     async with make_gw(["ok"], redis=private_redis.url, redis_prefix="restart:", tick_s=3600) as gw:
         messages: list[dict[str, Any]] = [{"role": "user", "content": "before the restart"}]
         first = await gw.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 3})
@@ -246,8 +246,8 @@ async def test_an_implicit_follow_up_after_a_redis_restart_sends_its_lookup_scri
                 break
             await asyncio.sleep(0.1)
         assert second is not None and second.status_code == 200, second.text
-        t2 = await gw.store.get_interaction(interaction_id=second.json()["id"])
-        assert t2.parent_id is None and t2.root_reason == "no_prefix_match"
+        t1, t2 = [await gw.store.get_interaction(interaction_id=r.json()["id"]) for r in (first, second)]
+        assert t2.parent_id == t1.id and t2.session_id == t1.session_id and t2.root_reason is None
         messages += [second.json()["choices"][0]["message"], {"role": "user", "content": "and again"}]
         third = await gw.post("/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 3})
         assert third.status_code == 200, third.text
