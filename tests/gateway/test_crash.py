@@ -66,6 +66,36 @@ def test_kill_9_under_load_loses_no_acknowledged_turn_and_leaves_no_session_stuc
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "after"}], max_tokens=2)
 
 
+def test_an_implicit_conversation_continues_on_a_gateway_restarted_after_kill_9(
+        gateway_factory: Callable[..., GatewayProc]) -> None:
+    """SQLite, no Redis: the implicit-episode index lived in the killed process. A gateway restarted on the
+    database links the conversation's next turn to its parent in the same episode (found in SQL)."""
+    gw = gateway_factory()
+    messages: list[dict[str, str]] = [{"role": "user", "content": "count to three"}]
+    ids = []
+    for follow_up in ("go on", None):
+        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.agent_key, max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        ids.append(r.id)
+        messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                     {"role": "user", "content": follow_up or "and after the restart?"}]
+    os.kill(gw.pid, signal.SIGKILL)
+    again = gateway_factory(db=gw.db)
+    client = openai.OpenAI(base_url=again.base_url + "/v1", api_key=again.agent_key, max_retries=0, timeout=60)
+    ids.append(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4).id)
+
+    async def turns() -> list[object]:
+        store = await Store.open(gw.db, migrate=False)
+        try:
+            return [await store.get_interaction(interaction_id=i) for i in ids]
+        finally:
+            await store.close()
+
+    t1, t2, t3 = asyncio.run(turns())
+    assert (t2.parent_id, t3.parent_id) == (t1.id, t2.id)  # type: ignore[attr-defined]
+    assert t1.session_id == t2.session_id == t3.session_id  # type: ignore[attr-defined]
+
+
 @pytest.mark.slow
 def test_two_gateway_processes_pause_resume_and_tag_alike_across_a_push(
         gateway_factory: Callable[..., GatewayProc], pg_url: str, redis_prefix: str) -> None:
