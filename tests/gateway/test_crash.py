@@ -1,6 +1,7 @@
 """kill -9 of a gateway process under load (PostgreSQL + Redis, and SQLite; real tiny engine): every
 acknowledged turn is in the database under its parent, and no session is stuck afterwards (with Redis the
-in-flight markers lapse with their replica); two replicas across a push."""
+in-flight markers lapse with their replica); an implicit conversation goes on after a restart; two replicas
+across a push."""
 
 from __future__ import annotations
 
