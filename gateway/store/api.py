@@ -19,10 +19,12 @@ little-endian bytes in SQL. Errors: see ``gateway.store.errors``.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
 import secrets
+import sqlite3
 import time
 import uuid
 from collections import OrderedDict
@@ -124,6 +126,20 @@ def _path_ids_sql() -> sa.TextClause:
         SELECT id FROM anc ORDER BY depth DESC
         """
     )
+
+
+_SESSION_COLUMNS = [(c.key, c.name, isinstance(c.type, sa.JSON)) for c in schema.sessions.columns]
+_SELECT_SESSION_BY_KEY = (f"SELECT {', '.join(name for _, name, _ in _SESSION_COLUMNS)} FROM sessions "
+                          "WHERE key_hash = ?")
+
+
+def _sqlite_session_row(conn: sqlite3.Connection, key_hash: str) -> dict[str, Any] | None:
+    """The sessions row of ``key_hash`` as SQLAlchemy maps it (column keys; JSON decoded), or None."""
+    values = conn.execute(_SELECT_SESSION_BY_KEY, (key_hash,)).fetchone()
+    if values is None:
+        return None
+    return {key: json.loads(value) if is_json and value is not None else value
+            for (key, _, is_json), value in zip(_SESSION_COLUMNS, values)}
 
 
 FIND_BY_CHAIN_ROWS = 64  # find_session_by_chain reads at most this many of the newest matching turns
@@ -540,8 +556,14 @@ class Store:
             cached = await self._redis.get_session(key_hash)
             if cached is not None:
                 return cached
-        async with self._read() as conn:
-            row = (await conn.execute(sa.select(schema.sessions).where(schema.sessions.c.key_hash == key_hash))).mappings().first()
+        if self._sqlite_writer is not None:
+            # every turn of a named session on SQLite reads its record here: on the writer's own sqlite3
+            # connection it costs one hop and a prepared SELECT instead of SQLAlchemy's Python and
+            # aiosqlite's thread (not cached in the process: another process may finish the session)
+            row = await self._sqlite_writer.read(lambda conn: _sqlite_session_row(conn, key_hash))
+        else:
+            async with self._read() as conn:
+                row = (await conn.execute(sa.select(schema.sessions).where(schema.sessions.c.key_hash == key_hash))).mappings().first()
         if row is None:
             raise NotFound("no session has this api key")
         record = session_from_row(row)

@@ -330,6 +330,21 @@ class SqliteBatchWriter:
         runs to its end in the writer's thread even if the awaiting task is cancelled."""
         return await self._submit(lambda: self._transaction(fn))
 
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """``fn(conn)`` outside a transaction (one SELECT reads one consistent snapshot): a read on the
+        request's path in one hop off the loop, without SQLAlchemy's per-statement Python. It waits behind
+        the jobs queued before it; sqlite3 errors are raised as StoreError."""
+        return await self._submit(lambda: self._read(fn))
+
+    def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        try:
+            return fn(self._connection())
+        except sqlite3.Error as exc:
+            translated = _sqlite_error(exc)
+            if translated is None:  # a bug (ProgrammingError): as it is
+                raise
+            raise translated from exc
+
     def _transaction(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         try:
             conn = self._connection()

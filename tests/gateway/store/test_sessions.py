@@ -27,6 +27,33 @@ async def test_create_and_lookup(store: Store) -> None:
         await store.get_session(session_id="sess-missing")
 
 
+async def test_a_session_read_by_key_on_sqlites_writer_equals_the_sqlalchemy_read(store: Store) -> None:
+    """On SQLite the auth read by key runs on the writer's own sqlite3 connection; the record it builds is
+    the one SQLAlchemy's mapping gives, field for field (JSON metadata, booleans, nulls, floats), also after
+    a status change and a reward, and an unknown key is NotFound."""
+    import sqlalchemy as sa
+
+    from gateway.store import schema
+    from gateway.store.api import hash_key
+    from gateway.store.rows import session_from_row
+
+    odd = {"eval": False, "text": "é \u2028 \"quoted\"", "nested": {"a": [1, 2.5, None, True]}, "empty": {}}
+    sessions = [await store.create_session(group_id="g", task_id=None, metadata=odd),
+                await store.create_session(metadata={"eval": True})]
+    await store.finish_session(session_id=sessions[0].id)
+    await store.set_reward(session_id=sessions[0].id, reward=-0.125, source="test")
+    for created in sessions:
+        assert created.api_key is not None
+        by_key = await store.get_session_by_key(api_key=created.api_key)
+        async with store.read_connection() as conn:
+            row = (await conn.execute(sa.select(schema.sessions).where(
+                schema.sessions.c.key_hash == hash_key(created.api_key)))).mappings().first()
+        assert by_key == session_from_row(row)
+    assert (await store.get_session_by_key(api_key=sessions[0].api_key)).status == "finished"
+    with pytest.raises(NotFound):
+        await store.get_session_by_key(api_key="sk-agentrl-unknown")
+
+
 async def test_defaults_and_duplicate_id(store: Store) -> None:
     s = await store.create_session(session_id="implicit-1")
     assert s.group_id == "implicit-1" and not s.is_eval and s.metadata == {}
