@@ -10,6 +10,7 @@ enters the same number of FSDP collectives.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -139,11 +140,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: S
         grad_norms = values[len(names):]
     elapsed = time.perf_counter() - start
     tokens = max(s["tokens"], 1.0)
+    finite = [g for g in grad_norms if math.isfinite(g)]
     metrics.update(core_algos.summarise_stats(s))
     metrics.update({
         "actor/loss": s["loss"] / max(len(minis), 1),
         "actor/entropy": s["entropy_sum"] / tokens,
-        "actor/grad_norm": sum(grad_norms) / len(grad_norms),
+        "actor/grad_norm": sum(finite) / len(finite) if finite else math.nan,
+        "actor/skipped_updates": float(len(grad_norms) - len(finite)),  # non-finite norms: no update made
         "logprob_gap/mean": s["gap_sum"] / tokens,
         "logprob_gap/max": s["gap_max"],
         "logprob_gap/same_version_mean": s["gap_same_sum"] / max(s["same_tokens"], 1.0),
@@ -183,6 +186,9 @@ def _clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max
     divided by it inside the update kernel, the hook ``torch.amp.GradScaler`` uses) instead of a separate
     multiply over every gradient; otherwise ``clip_grad_norm_``. Then the compute copy of the weights, if
     any, is brought up to the new master weights (``trainer.shadow``).
+
+    A non-finite norm (an inf or NaN gradient: an overflow, a NaN loss) skips the update: one bad batch
+    would otherwise turn every weight into NaN. ``train_step`` reports the skips (``actor/skipped_updates``).
     """
     shadow.collect_grads(model)  # (a no-op after train_step's own backward passes)
     params = [p for p in model.parameters() if p.grad is not None]
@@ -192,13 +198,18 @@ def _clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max
         norm = torch.nn.utils.get_total_norm([p.grad for p in params]).to(torch.float32)
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its inverse is the same
         optimizer.grad_scale = torch.clamp((norm + 1e-6) / limit, min=1.0).reshape(1)
+        # a non-finite norm skips the update inside the kernel (weights, moments and step count stay), the
+        # way GradScaler skips an overflowed step: no wait for the device
+        optimizer.found_inf = (~torch.isfinite(norm)).to(torch.float32).reshape(())
         try:
             optimizer.step()
         finally:
             optimizer.grad_scale = None
+            optimizer.found_inf = None
     else:
         norm = torch.nn.utils.clip_grad_norm_(params, limit)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        optimizer.step()
+        if bool(torch.isfinite(norm)):  # one wait for the device per update; every rank has the same norm
+            optimizer.step()
     shadow.refresh(model)
     return norm.detach().to(torch.float64).reshape(())
