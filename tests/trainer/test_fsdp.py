@@ -1,4 +1,5 @@
-"""FSDP2 on CPU: a GRPO step on two gloo processes equals the same step on one process."""
+"""FSDP2 on CPU: a GRPO step on two gloo processes equals the same step on one process; a rank dying first
+does not hang the others."""
 
 from __future__ import annotations
 
@@ -53,3 +54,31 @@ def test_two_process_step_equals_one_process_step(tmp_path, tiny_model_dir):
         assert diff.mean() <= 1e-8, f"{name}: mean diff {diff.mean():.2e}"
         changed += int(not torch.equal(w1, base[name]))
     assert changed == len(one["weights"])  # the step did update every tensor
+
+
+DIES = """
+import sys
+from trainer.model import close_distributed, init_distributed
+info = init_distributed("cpu")
+if info.rank == 1:
+    sys.exit(3)  # this rank dies before the end of the run
+close_distributed(finished=True)  # the other waits at the barrier for a rank that never comes
+print(f"rank {info.rank} left the barrier", flush=True)
+"""
+
+
+def test_a_rank_dying_before_the_closing_barrier_does_not_leave_the_others_waiting(tmp_path):
+    """``close_distributed(finished=True)`` meets the other ranks at a barrier. When one rank dies first,
+    torchrun stops the rank waiting there and fails the job at once, naming the rank that died, instead of
+    the job hanging until the process group's timeout (30 minutes)."""
+    worker = tmp_path / "dies.py"
+    worker.write_text(DIES)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(worker)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "left the barrier" not in out
+    root_cause = out.split("Root Cause", 1)[-1]
+    assert "local_rank: 1" in root_cause and "exitcode  : 3" in root_cause, out[-3000:]
