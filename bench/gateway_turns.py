@@ -180,8 +180,15 @@ def shares_of(raw: Path) -> Counter[str]:
     return counts
 
 
+def py_spy() -> str | None:
+    """The py-spy executable (on PATH or beside this Python), or None."""
+    found = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    return found if Path(found).exists() else None
+
+
 def profile(pid: int, out: Path, seconds: float, run: callable) -> Counter[str]:
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    spy = py_spy()
+    assert spy is not None
     proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw", "-o", str(out), "--rate", "250",
                              "--duration", str(int(seconds) + 2)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -219,6 +226,8 @@ def main() -> int:
     if args.shares:
         print_shares(shares_of(Path(args.shares)), f"the profile {args.shares}")
         return 0
+    if args.profile and py_spy() is None:  # say so before the runs, not after them
+        parser.error("--profile needs py-spy: .venv/bin/pip install py-spy")
     levels = [int(c) for c in args.concurrency.split(",")]
     scenarios = [s.strip() for s in args.scenarios.split(",")]
     from engine.models import tiny_dir
