@@ -50,8 +50,6 @@ def _awaiting(coro: Any) -> list[str]:
         coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
     return lines
 
-    pytest_timeout.dump_stacks = _dump_threads_and_tasks
-
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:

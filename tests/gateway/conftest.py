@@ -15,10 +15,12 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,6 +30,19 @@ from tests.conftest import free_port
 
 ADMIN_KEY = "test-admin-key"
 AGENT_KEY = "test-agent-key"
+
+
+def read_turns(db: str, ids: list[str]) -> list[Any]:
+    """The stored turns ``ids`` of the database ``db`` (a gateway process's), read with a store of this process."""
+    from gateway.store import Store
+
+    async def go() -> list[Any]:
+        store = await Store.open(db, migrate=False)
+        try:
+            return [await store.get_interaction(interaction_id=i) for i in ids]
+        finally:
+            await store.close()
+    return asyncio.run(go())
 
 
 @dataclass

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from gateway.lifecycle import InFlight
 from gateway.store import Store
 from tests.conftest import REDIS_URL
-from tests.gateway.conftest import GatewayProc
+from tests.gateway.conftest import GatewayProc, read_turns
 from tests.gateway.under_load import Agents, check_recorded
 
 
@@ -84,17 +84,9 @@ def test_an_implicit_conversation_continues_on_a_gateway_restarted_after_kill_9(
     again = gateway_factory(db=gw.db)
     client = openai.OpenAI(base_url=again.base_url + "/v1", api_key=again.agent_key, max_retries=0, timeout=60)
     ids.append(client.chat.completions.create(model="tiny", messages=messages, max_tokens=4).id)
-
-    async def turns() -> list[object]:
-        store = await Store.open(gw.db, migrate=False)
-        try:
-            return [await store.get_interaction(interaction_id=i) for i in ids]
-        finally:
-            await store.close()
-
-    t1, t2, t3 = asyncio.run(turns())
-    assert (t2.parent_id, t3.parent_id) == (t1.id, t2.id)  # type: ignore[attr-defined]
-    assert t1.session_id == t2.session_id == t3.session_id  # type: ignore[attr-defined]
+    t1, t2, t3 = read_turns(gw.db, ids)
+    assert (t2.parent_id, t3.parent_id) == (t1.id, t2.id)
+    assert t1.session_id == t2.session_id == t3.session_id
 
 
 @pytest.mark.slow

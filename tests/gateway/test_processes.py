@@ -23,21 +23,11 @@ import redis
 from agentrl.procs import Processes
 from gateway.store import Store
 from tests.conftest import REDIS_URL, free_port
-from tests.gateway.conftest import GatewayProc
+from tests.gateway.conftest import GatewayProc, read_turns
 
 CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-def read_turns(db: str, ids: list[str]) -> list[Any]:
-    async def go() -> list[Any]:
-        store = await Store.open(db, migrate=False)
-        try:
-            return [await store.get_interaction(interaction_id=i) for i in ids]
-        finally:
-            await store.close()
-    return asyncio.run(go())
 
 
 def full_sequences(db: str, ids: list[str]) -> list[list[int]]:

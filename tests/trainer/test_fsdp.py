@@ -16,11 +16,16 @@ from tests.conftest import REPO, free_port
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 
 
-def _run(nproc: int, out: Path, budget: int) -> dict:
+def _torchrun(nproc: int, script: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``script`` on ``nproc`` gloo ranks under torchrun (its output captured)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(out), str(budget)]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _run(nproc: int, out: Path, budget: int) -> dict:
+    proc = _torchrun(nproc, WORKER, str(out), str(budget), timeout_s=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
@@ -73,10 +78,7 @@ def test_a_rank_dying_before_the_closing_barrier_does_not_leave_the_others_waiti
     the job hanging until the process group's timeout (30 minutes)."""
     worker = tmp_path / "dies.py"
     worker.write_text(DIES)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(worker)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = _torchrun(2, worker, timeout_s=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "left the barrier" not in out
