@@ -32,17 +32,27 @@ ADMIN_KEY = "test-admin-key"
 AGENT_KEY = "test-agent-key"
 
 
-def read_turns(db: str, ids: list[str]) -> list[Any]:
-    """The stored turns ``ids`` of the database ``db`` (a gateway process's), read with a store of this process."""
+def _each_stored(db: str, ids: list[str], read: Callable[[Any, str], Any]) -> list[Any]:
+    """``await read(store, id)`` for each of ``ids``, with a store of this process on the database ``db``."""
     from gateway.store import Store
 
     async def go() -> list[Any]:
         store = await Store.open(db, migrate=False)
         try:
-            return [await store.get_interaction(interaction_id=i) for i in ids]
+            return [await read(store, i) for i in ids]
         finally:
             await store.close()
     return asyncio.run(go())
+
+
+def read_turns(db: str, ids: list[str]) -> list[Any]:
+    """The stored turns ``ids`` of the database ``db`` (a gateway process's)."""
+    return _each_stored(db, ids, lambda store, i: store.get_interaction(interaction_id=i))
+
+
+def full_sequences(db: str, ids: list[str]) -> list[list[int]]:
+    """The full token sequences of the stored turns ``ids`` of the database ``db``."""
+    return _each_stored(db, ids, lambda store, i: store.full_sequence(interaction_id=i))
 
 
 @dataclass

@@ -6,7 +6,6 @@ Recorded rows are read back from the gateway's own database (SQLite file, or Pos
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -21,23 +20,12 @@ import pytest
 import redis
 
 from agentrl.procs import Processes
-from gateway.store import Store
 from tests.conftest import REDIS_URL, free_port
-from tests.gateway.conftest import GatewayProc, read_turns
+from tests.gateway.conftest import GatewayProc, full_sequences, read_turns
 
 CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-def full_sequences(db: str, ids: list[str]) -> list[list[int]]:
-    async def go() -> list[list[int]]:
-        store = await Store.open(db, migrate=False)
-        try:
-            return [await store.full_sequence(interaction_id=i) for i in ids]
-        finally:
-            await store.close()
-    return asyncio.run(go())
 
 
 def sdk(gw: GatewayProc, key: str) -> openai.OpenAI:

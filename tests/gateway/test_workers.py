@@ -7,7 +7,6 @@ SDK as the agent. Which worker answered is read from the ``x-agentrl-worker`` re
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
@@ -26,6 +25,7 @@ import redis
 from agentrl.procs import Processes
 from gateway.workers import check_port_free, is_listening, reuseport_socket
 from tests.conftest import REDIS_URL, REPO, free_port
+from tests.gateway.conftest import full_sequences
 
 ADMIN, AGENT = "workers-admin", "workers-agent"
 
@@ -112,19 +112,6 @@ def _each_worker(url: str, headers: dict[str, str], workers: int = 2) -> dict[st
     raise AssertionError(f"only workers {sorted(seen)} answered 400 new connections")
 
 
-def _full_sequences(db: str, ids: list[str]) -> list[list[int]]:
-    from gateway.store import Store
-
-    async def read() -> list[list[int]]:
-        store = await Store.open(db, migrate=False)
-        try:
-            return [await store.full_sequence(interaction_id=i) for i in ids]
-        finally:
-            await store.close()
-
-    return asyncio.run(read())
-
-
 @pytest.mark.slow
 @pytest.mark.services
 def test_two_workers_one_session_one_leader_and_takeover(tmp_path: Path, tiny_model_dir: Path, pg_url: str,
@@ -172,7 +159,7 @@ def test_two_workers_one_session_one_leader_and_takeover(tmp_path: Path, tiny_mo
             node = node["children"][0]
         assert chain == ids
         # ... and token-exact: each turn's prompt + output is the start of the next turn's prompt.
-        sequences = _full_sequences(pg_url, ids)
+        sequences = full_sequences(pg_url, ids)
         for parent, child_seq in zip(sequences, sequences[1:]):
             assert len(child_seq) > len(parent) and child_seq[: len(parent)] == parent
 
