@@ -190,10 +190,13 @@ class InFlight:
     An implicit-mode turn has its marker added by the script that finds its episode
     (``Store.find_continued`` with :meth:`marker`) and takes it over with :meth:`adopt`.
 
-    A turn's marker is removed after the turn, off its path: the caller is answered without waiting for
-    Redis. This replica's :meth:`busy` first waits for the removals started before it asks, so it never
-    counts a turn that has ended here; another replica may see one in flight a moment longer
-    (:meth:`settle` waits for the removals started so far).
+    A turn that is recorded has its marker removed in the same Redis round trip as the publish that
+    follows its commit (:meth:`releases`, then :meth:`released`): from the commit on, the session's last
+    activity keeps it from being idle-finished, so the marker has done its job, and the turn sends Redis
+    no command of its own for it. A turn that ends without a commit (an error, a client gone) has its
+    marker removed after it, off its path. This replica's :meth:`busy` first waits for the removals
+    started before it asks, so it never counts a turn that has ended here; another replica may see one in
+    flight a moment longer (:meth:`settle` waits for the removals started so far).
 
     Redis down: starting a turn fails with ``StoreUnavailable`` (503, nothing recorded yet); ending one
     never fails (the turn is already recorded; its marker lapses by itself)."""
@@ -220,7 +223,9 @@ class InFlight:
         return Marker(self._key(""), uuid.uuid4().hex, time.time() + self.ttl_s, self._key_ttl())
 
     @asynccontextmanager
-    async def track(self, session_id: str) -> AsyncIterator[None]:
+    async def track(self, session_id: str) -> AsyncIterator[str | None]:
+        """Add a marker for a turn of ``session_id`` and hold it until the block ends; yields the marker's
+        Redis member (None without Redis)."""
         marker = self.marker()
         if marker is not None:
             try:
@@ -230,24 +235,38 @@ class InFlight:
                     await pipe.execute()
             except RedisError as exc:
                 raise errors.StoreUnavailable(f"Redis failed (in-flight marker): {exc}") from exc
-        async with self.adopt(session_id, marker.member if marker is not None else None):
-            yield
+        async with self.adopt(session_id, marker.member if marker is not None else None) as member:
+            yield member
 
     @asynccontextmanager
-    async def adopt(self, session_id: str, member: str | None) -> AsyncIterator[None]:
-        """Track a turn whose Redis marker ``member`` is already set (None: without Redis)."""
+    async def adopt(self, session_id: str, member: str | None) -> AsyncIterator[str | None]:
+        """Track a turn whose Redis marker ``member`` is already set (None: without Redis); yields it."""
         if member is not None:
             self._members[member] = session_id
             self._start_refresher()
         self._local[session_id] += 1
         try:
-            yield
+            yield member
         finally:
             self._local[session_id] -= 1
             if not self._local[session_id]:
                 del self._local[session_id]
             if member is not None and self._members.pop(member, None) is not None:
                 self.discard(session_id, member)
+
+    def releases(self, members: Sequence[str]) -> list[tuple[str, str]]:
+        """The Redis ``(key, member)`` of the markers among ``members`` that this replica still holds, for
+        the after-commit publish to remove (``Store.record_interactions(release=...)``)."""
+        if self.redis is None:
+            return []
+        return [(self._key(self._members[m]), m) for m in members if m in self._members]
+
+    def released(self, members: Sequence[str]) -> None:
+        """The commit that carried these markers' removal went through: the turn no longer holds them (so
+        it does not remove them again when it ends). Should Redis have failed that publish, they lapse
+        within ``ttl_s`` as the markers of a dead replica do."""
+        for m in members:
+            self._members.pop(m, None)
 
     def discard(self, session_id: str, member: str) -> None:
         """Remove a marker in the background (a turn ended, or a marker set for a turn that went elsewhere)."""

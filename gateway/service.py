@@ -122,6 +122,16 @@ def _ms(start: float) -> float:
     return round((time.perf_counter() - start) * 1000.0, 3)
 
 
+class Turn(AsyncExitStack):
+    """What a turn holds until it ends, released when it closes, and the Redis members of the in-flight
+    markers it holds (``markers``): when the turn is recorded, their removal rides on the publish that
+    follows the commit (``InFlight.releases``) instead of a Redis command of its own after the answer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.markers: list[str] = []
+
+
 class GenerationService:
     def __init__(self, svc: Services, *, owner: str | None = None) -> None:
         self.svc = svc
@@ -129,20 +139,25 @@ class GenerationService:
         #                     continued by the same key (``gateway.binding.owns``)
 
     # ------------------------------------------------------------------------------------ in flight
-    async def _track(self, turn: AsyncExitStack, session: SessionRecord | None) -> None:
+    async def _track(self, turn: Turn, session: SessionRecord | None) -> None:
         """Report a turn of ``session`` in flight until ``turn`` closes (no-op for an implicit episode
         not created yet, or an app without the lifecycle)."""
         inflight = getattr(self.svc.app_state, "inflight", None)
         if inflight is not None and session is not None:
-            await turn.enter_async_context(inflight.track(session.id))
+            self._hold(turn, await turn.enter_async_context(inflight.track(session.id)))
 
-    async def _track_planned(self, turn: AsyncExitStack, given: SessionRecord | None, plan: TurnPlan) -> None:
+    @staticmethod
+    def _hold(turn: Turn, member: str | None) -> None:
+        if member is not None:
+            turn.markers.append(member)
+
+    async def _track_planned(self, turn: Turn, given: SessionRecord | None, plan: TurnPlan) -> None:
         """Also track the session planning found (an implicit-mode continuation), unless its marker was
         added with the lookup that found it."""
         if plan.session is not None and not plan.tracked and (given is None or plan.session.id != given.id):
             await self._track(turn, plan.session)
 
-    async def _planned(self, turn: AsyncExitStack, plan: TurnPlan) -> None:
+    async def _planned(self, turn: Turn, plan: TurnPlan) -> None:
         """When ``turn`` closes, give back the budget charged for implicit episodes that were never created
         (the engine failed, the context was too long, the client went away, the store refused)."""
         async def give_back() -> None:
@@ -160,7 +175,7 @@ class GenerationService:
         except store_errors.StoreError as exc:
             raise from_store_error(exc) from exc
 
-    async def _continued(self, turn: AsyncExitStack, hashes: list[str]) -> Continued | None:
+    async def _continued(self, turn: Turn, hashes: list[str]) -> Continued | None:
         """The implicit episode this turn continues (its session active and created under this caller's
         key), else None: a new root. With Redis, one round trip also brings the parent index's entry and
         adds the turn's in-flight marker, which ``turn`` then holds (``plan.tracked``)."""
@@ -182,12 +197,12 @@ class GenerationService:
         continued = record.status == "active" and (record.metadata or {}).get("owner") == self.owner
         if hit.marked and marker is not None:
             if continued:
-                await turn.enter_async_context(inflight.adopt(hit.session_id, marker.member))
+                self._hold(turn, await turn.enter_async_context(inflight.adopt(hit.session_id, marker.member)))
             else:
                 inflight.discard(hit.session_id, marker.member)
         return dataclasses.replace(hit, record=record) if continued else None
 
-    async def _named(self, turn: AsyncExitStack, session: SessionRecord, hashes: list[str]) -> Continued | None:
+    async def _named(self, turn: Turn, session: SessionRecord, hashes: list[str]) -> Continued | None:
         """Track a turn of a named session (session key or URL); with Redis and a parent to look for, its
         in-flight marker and the parent index's entry come in one round trip (``plan.tracked``)."""
         inflight = getattr(self.svc.app_state, "inflight", None)
@@ -201,7 +216,7 @@ class GenerationService:
         if hit is None:  # no Redis, or nothing to look up (a first turn): the marker alone
             await self._track(turn, session)
             return None
-        await turn.enter_async_context(inflight.adopt(session.id, marker.member))
+        self._hold(turn, await turn.enter_async_context(inflight.adopt(session.id, marker.member)))
         return hit
 
     def _refuse_surely_too_long(self, messages: Any, tools: Any) -> int:
@@ -218,7 +233,7 @@ class GenerationService:
         return chars
 
     async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | None,
-                        turn: AsyncExitStack) -> TurnPlan:
+                        turn: Turn) -> TurnPlan:
         started = time.perf_counter()
         try:
             validate_messages(req.messages, req.tools)
@@ -359,8 +374,10 @@ class GenerationService:
             raise
 
     # ------------------------------------------------------------------------------------ recording
-    async def _record(self, plan: TurnPlan, runs: list[ChoiceRun], chain: Callable[[ChoiceRun], str]) -> None:
+    async def _record(self, plan: TurnPlan, runs: list[ChoiceRun], chain: Callable[[ChoiceRun], str],
+                      turn: Turn) -> None:
         store, metrics = self.svc.store, self.svc.metrics
+        inflight = getattr(self.svc.app_state, "inflight", None)
         started = time.perf_counter()
         try:
             sessions: list[str] = []
@@ -392,8 +409,11 @@ class GenerationService:
             # implicit episodes: with Redis the index entries are set with the turns' own after the commit
             index = [(row.chain_hash, row.session_id) for row in rows] if plan.implicit else []
             published = self.svc.implicit.redis_entries(index)
-            await store.record_interactions(rows, create=created, publish=published)
+            release = inflight.releases(turn.markers) if inflight is not None else []
+            await store.record_interactions(rows, create=created, publish=published, release=release)
             plan.handed += len(created)
+            if release:
+                inflight.released([member for _, member in release])
         except store_errors.StoreError as exc:
             raise from_store_error(exc) from exc
         # Committed: from here on nothing may turn the answer into an error (a retry would record a
@@ -420,7 +440,7 @@ class GenerationService:
             return extend_chain(plan.request_hash, [run.result.message()])
         return chain
 
-    async def _prepare(self, turn: AsyncExitStack, req: ChatCompletionRequest | CompletionRequest,
+    async def _prepare(self, turn: Turn, req: ChatCompletionRequest | CompletionRequest,
                        session: SessionRecord | None, id_prefix: str | None, meta: dict[str, Any] | None
                        ) -> tuple[TurnPlan, SamplingParams, list[ChoiceRun], Callable[[ChoiceRun], str]]:
         """Track, plan and size a turn: its plan, sampling parameters, choices and chain-hash function."""
@@ -452,10 +472,10 @@ class GenerationService:
         """The conversation core, whatever wire format the request came in: plan, generate every choice,
         record; returns the plan and the finished choices for the format to render (``gateway.formats``).
         ``meta`` is recorded with the request (``format`` and what the format kept out of the prompt)."""
-        async with AsyncExitStack() as turn:
+        async with Turn() as turn:
             plan, params, runs, chain = await self._prepare(turn, req, session, id_prefix, meta)
             await self._generate_all(plan, params, runs)
-            await self._record(plan, runs, chain)
+            await self._record(plan, runs, chain, turn)
         return plan, runs
 
     async def stream_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | None, *,
@@ -464,7 +484,7 @@ class GenerationService:
         """The streaming conversation core: plan and start generating (errors before the first engine
         output raise, a normal HTTP error); returns the turn's events (:meth:`_events`) for the format to
         render. The turn is in flight until that iterator ends or is closed."""
-        turn = AsyncExitStack()
+        turn = Turn()
         try:
             plan, params, runs, chain = await self._prepare(turn, req, session, id_prefix, meta)
             events = await self._start_streams(plan, params, runs, turn, chain)
@@ -503,7 +523,7 @@ class GenerationService:
             await queue.put(("error", GatewayError("internal error in a streamed choice; see the gateway's log")))
 
     async def _start_streams(self, plan: TurnPlan, params: SamplingParams, runs: list[ChoiceRun],
-                             turn: AsyncExitStack, chain: Callable[[ChoiceRun], str]) -> AsyncIterator[TurnEvent]:
+                             turn: Turn, chain: Callable[[ChoiceRun], str]) -> AsyncIterator[TurnEvent]:
         """Start one generation task per choice and wait for the first event, so that an error before any
         output becomes an HTTP error instead of the start of a stream. Returns the turn's events."""
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -519,7 +539,7 @@ class GenerationService:
         return self._events(plan, runs, tasks, queue, first, turn, chain)
 
     async def _events(self, plan: TurnPlan, runs: list[ChoiceRun], tasks: Sequence[asyncio.Future[None]],
-                      queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any], turn: AsyncExitStack,
+                      queue: asyncio.Queue[tuple[str, Any]], first: tuple[str, Any], turn: Turn,
                       chain: Callable[[ChoiceRun], str]) -> AsyncIterator[TurnEvent]:
         """The turn's events in order: deltas and ends of all choices, then ``recorded`` once every choice
         is committed. A :class:`GatewayError` (engine, store) is raised from the iterator; the turn leaves
@@ -535,7 +555,7 @@ class GenerationService:
                 if kind == "end":
                     pending -= 1
                 yield payload
-            await self._record(plan, runs, chain)
+            await self._record(plan, runs, chain, turn)
             yield TurnEvent("recorded")
         finally:
             await _cancel(tasks)

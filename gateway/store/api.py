@@ -874,14 +874,16 @@ class Store:
 
     async def record_interactions(self, interactions: Sequence[Interaction], *,
                                   create: Sequence[NewSession] = (),
-                                  publish: Sequence[tuple[str, str, int]] = ()) -> None:
+                                  publish: Sequence[tuple[str, str, int]] = (),
+                                  release: Sequence[tuple[str, str]] = ()) -> None:
         """Durably record turns; returns only after they are committed.
 
         ``create``: sessions (from :meth:`new_session`) inserted in the same transaction as the turns,
         before them (a new implicit episode and its first turn: one commit, all or nothing); they are
         cached (Redis included) with the turns. ``publish``: Redis ``(key, value, ttl)`` entries set in the
         same round trip as the turns' index after the commit (the gateway's implicit-episode index;
-        ignored without Redis).
+        ignored without Redis). ``release``: Redis sorted-set ``(key, member)`` entries removed in that
+        round trip (the turn's in-flight markers, ``InFlight.releases``; ignored without Redis).
 
         Group commit: rows of concurrent callers are written in one transaction by a background writer;
         each caller awaits its own outcome. All rows of one call commit together or not at all; a
@@ -895,12 +897,12 @@ class Store:
         for it in interactions:
             check_interaction(it)
         rows = [interaction_to_row(it) for it in interactions]
-        await self._writer.submit(list(interactions), rows, [new.row for new in create], publish)
+        await self._writer.submit(list(interactions), rows, [new.row for new in create], publish, release)
 
     async def _after_commit(self, jobs: list[Any]) -> None:
         """Cache the new turns' full sequences (when the parent's is at hand) and the sessions created with
-        them, and publish all that (and the jobs' ``publish`` entries) to Redis in one round trip, before
-        their callers are answered."""
+        them, and publish all that (and the jobs' ``publish`` entries, and the removal of their ``release``
+        entries) to Redis in one round trip, before their callers are answered."""
         committed = [pair for job in jobs for pair in zip(job.interactions, job.rows)]
         created = [row for job in jobs for row in job.sessions]
         if self._local:
@@ -935,7 +937,8 @@ class Store:
             chain = [(it.session_id, it.chain_hash, it.id) for it, _ in committed]
             await self._redis.publish_turns(chain, sequences,
                                             sessions=[(row["key_hash"], session_from_row(row)) for row in created],
-                                            extra=[entry for job in jobs for entry in job.publish])
+                                            extra=[entry for job in jobs for entry in job.publish],
+                                            release=[entry for job in jobs for entry in job.release])
 
     async def get_interaction(self, *, interaction_id: str) -> Interaction:
         """One turn. NotFound if unknown."""

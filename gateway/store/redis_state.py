@@ -260,10 +260,12 @@ class RedisState:
     async def publish_turns(
         self, chain_entries: Sequence[tuple[str, str, str]], sequences: Sequence[tuple[str, bytes]], *,
         sessions: Sequence[tuple[str, SessionRecord]] = (), extra: Sequence[tuple[str, str, int]] = (),
+        release: Sequence[tuple[str, str]] = (),
     ) -> None:
         """After a commit, in one round trip: index the new turns' chain hashes (overwriting: the most
         recent turn wins), cache their full sequences, cache the sessions created with them (``(key hash,
-        record)``, through the version-guarded script) and set ``extra`` ``(key, value, ttl)`` entries."""
+        record)``, through the version-guarded script), set ``extra`` ``(key, value, ttl)`` entries and
+        remove the ``release`` ``(sorted-set key, member)`` entries (the turns' in-flight markers)."""
         by_session: dict[str, dict[str, str]] = {}
         for session_id, chain_hash, interaction_id in chain_entries:
             by_session.setdefault(session_id, {})[chain_hash] = interaction_id
@@ -284,6 +286,8 @@ class RedisState:
                              _session_json(record), SESSION_TTL_S)
             for key, value, ttl in extra:
                 pipe.set(key, value, ex=ttl)
+            for key, member in release:
+                pipe.zrem(key, member)
             return cast("list[Any]", await pipe.execute(raise_on_error=False))
 
         try:
@@ -292,8 +296,8 @@ class RedisState:
             except ConnectionError:
                 # The connection was lost (closed by Redis, a proxy or the network), not a slow server: send
                 # it again once on a new one. Every command here is idempotent (HSET/SET of the same values,
-                # the version-guarded session script). The episode index in ``extra`` has no copy in SQL: a
-                # first turn whose entry is lost would make its follow-up a new root.
+                # ZREM, the version-guarded session script). A lost entry of the episode index in ``extra``
+                # costs its follow-up a SQL lookup (``ImplicitIndex.lookup``), not its link.
                 self.publish_resent += 1
                 results = await send()
         except RedisError as exc:

@@ -81,6 +81,7 @@ class _Job:
     future: asyncio.Future[None]
     sessions: list[dict[str, Any]]  # session rows created with these turns (new implicit episodes)
     publish: Sequence[tuple[str, str, int]] = ()  # Redis (key, value, ttl) to set with the turns after commit
+    release: Sequence[tuple[str, str]] = ()  # Redis sorted-set (key, member) to remove then (in-flight markers)
 
 
 class GroupCommitWriter:
@@ -109,17 +110,17 @@ class GroupCommitWriter:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="store-group-commit")
 
     async def submit(self, interactions: Sequence[Interaction], rows: list[dict[str, Any]],
-                     sessions: Sequence[dict[str, Any]] = (), publish: Sequence[tuple[str, str, int]] = ()
-                     ) -> None:
+                     sessions: Sequence[dict[str, Any]] = (), publish: Sequence[tuple[str, str, int]] = (),
+                     release: Sequence[tuple[str, str]] = ()) -> None:
         """Queue one job; return when it is committed (or raise its StoreError). ``sessions``: rows of
         sessions to create in the same transaction, before the turns (all or nothing with them);
-        ``publish``: what the after-commit hook also sets in Redis for this job."""
+        ``publish`` and ``release``: what the after-commit hook also sets and removes in Redis for this job."""
         if self._closing:
             raise StoreUnavailable("the store is closed")
         if self._task.done():
             raise StoreUnavailable("the store's commit writer has stopped; restart the process")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(interactions, rows, future, list(sessions), publish))
+        self._queue.append(_Job(interactions, rows, future, list(sessions), publish, release))
         self._wake.set()
         # shield: a caller that goes away (client disconnect) does not cancel a write already queued
         await asyncio.shield(future)

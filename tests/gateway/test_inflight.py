@@ -58,3 +58,34 @@ async def test_redis_down_refuses_a_new_turn_with_503_and_never_fails_an_ending_
     finally:
         await client.aclose()
         await dead.aclose()
+
+
+@pytest.mark.parametrize("kind", CLIENTS)
+async def test_a_released_marker_goes_with_the_commit_and_only_that_turns(redis_prefix: str, kind: str) -> None:
+    """Two turns of one session in flight: the first's marker is removed by the commit's publish
+    (``releases`` names only that turn's member), so the session is still busy through the second turn, and
+    the first turn's end sends no removal of its own."""
+    client = CLIENTS[kind](REDIS_URL)
+    try:
+        inflight = InFlight(client, prefix=redis_prefix, ttl_s=5)
+        other = InFlight(client, prefix=redis_prefix, ttl_s=5)  # another replica's view
+        first, second = inflight.track("s"), inflight.track("s")
+        one, two = await first.__aenter__(), await second.__aenter__()
+        assert one is not None and two is not None and one != two
+        release = inflight.releases([one])
+        assert release == [(f"{redis_prefix}inflight:s", one)]
+        pipe = client.pipeline(transaction=False)  # what Store.record_interactions(release=...) sends
+        for key, member in release:
+            pipe.zrem(key, member)
+        assert await pipe.execute() == [1]
+        inflight.released([one])
+        assert inflight.releases([one]) == []  # no longer held: nothing to release twice
+        await first.__aexit__(None, None, None)
+        assert not inflight._removals  # no removal of its own after the turn
+        assert await other.busy(["s"]) == {"s"}  # the second turn's marker is untouched
+        await second.__aexit__(None, None, None)  # not recorded: its marker is removed after it, as before
+        assert await inflight.busy(["s"]) == set()  # (waits for that removal)
+        assert await other.busy(["s"]) == set()
+        await inflight.close()
+    finally:
+        await client.aclose()

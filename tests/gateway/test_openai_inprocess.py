@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from gateway.app import SERVING_GC_THRESHOLDS, create_app, load_tokenizer
+from gateway.store.errors import StoreUnavailable
 from gateway.metrics import cache_gauges
 from gateway.settings import GatewaySettings
 from gateway.standin import build_app
@@ -436,8 +437,9 @@ def record_redis_and_engine(gw: Gw) -> list[str]:
 async def test_an_implicit_follow_up_finds_its_episode_in_one_redis_round_trip(make_gw: Any,
                                                                                 redis_prefix: str) -> None:
     """With Redis, a follow-up's episode, session record, parent and in-flight marker come from one script
-    call before the engine is asked; after it, one publish; its marker goes once the turn is answered. An
-    identical conversation under another agent key is a new root, and the marker that lookup set is gone."""
+    call before the engine is asked; after it, one publish, which also removes the marker (no Redis command
+    of its own). An identical conversation under another agent key is a new root, and the marker that
+    lookup set is gone."""
     async with make_gw(["a", "b", "c"], redis=REDIS_URL, redis_prefix=redis_prefix, agent_key=[AGENT, OTHER],
                        tick_s=3600) as gw:
         msgs = [{"role": "user", "content": "hi"}]
@@ -446,7 +448,7 @@ async def test_an_implicit_follow_up_finds_its_episode_in_one_redis_round_trip(m
         sent = record_redis_and_engine(gw)
         second = await gw.sdk().chat.completions.create(model="m", messages=follow, max_tokens=5)
         await gw.app.state.inflight.settle()
-        assert sent == ["EVALSHA", "engine", "HSET+EXPIRE+SET+SET", "ZREM"]
+        assert sent == ["EVALSHA", "engine", "HSET+EXPIRE+SET+SET+ZREM"]  # the marker goes with the publish
         t1, t2 = [await gw.store.get_interaction(interaction_id=r.id) for r in (first, second)]
         assert t2.parent_id == t1.id and t2.session_id == t1.session_id
         assert not await gw.app.state.inflight.busy([t1.session_id])
@@ -460,6 +462,32 @@ async def test_an_implicit_follow_up_finds_its_episode_in_one_redis_round_trip(m
         assert not await gw.app.state.inflight.busy([t1.session_id])
         assert [k for k in await gw.store.redis.keys(f"{redis_prefix}inflight:*")
                 if await gw.store.redis.zcard(k)] == []
+
+
+async def test_a_follow_up_the_store_refuses_still_takes_its_marker_back(make_gw: Any, redis_prefix: str,
+                                                                       monkeypatch: Any) -> None:
+    """The marker's removal rides on the publish after a commit; a turn whose commit fails (the database
+    unavailable) has none, so the turn removes its marker itself when it ends (a 503 for the client)."""
+    async with make_gw(["a", "b"], redis=REDIS_URL, redis_prefix=redis_prefix, agent_key=[AGENT],
+                       tick_s=3600) as gw:
+        msgs = [{"role": "user", "content": "hi"}]
+        first = await gw.sdk().chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
+        t1 = await gw.store.get_interaction(interaction_id=first.id)
+
+        async def unavailable(*args: Any, **kwargs: Any) -> None:
+            raise StoreUnavailable("the database is down (test)")
+
+        monkeypatch.setattr(gw.store._writer, "submit", unavailable)
+        sent = record_redis_and_engine(gw)
+        with pytest.raises(openai.InternalServerError) as refused:
+            await gw.sdk().with_options(max_retries=0).chat.completions.create(model="m", messages=follow,
+                                                                               max_tokens=5)
+        assert refused.value.status_code == 503
+        await gw.app.state.inflight.settle()
+        assert sent == ["EVALSHA", "engine", "ZREM"]  # no publish: the marker's own removal after the turn
+        assert await gw.store.redis.zcard(f"{redis_prefix}inflight:{t1.session_id}") == 0
+        assert not await gw.app.state.inflight.busy([t1.session_id])
 
 
 async def test_a_named_sessions_follow_up_marks_and_finds_its_parent_in_one_redis_round_trip(
@@ -476,7 +504,8 @@ async def test_a_named_sessions_follow_up_marks_and_finds_its_parent_in_one_redi
         sent = record_redis_and_engine(gw)
         second = await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
         await gw.app.state.inflight.settle()
-        assert sent[:3] == ["HGET", "ZADD+EXPIRE+HGET", "engine"] and sent[-1] == "ZREM"  # the key's session, ...
+        assert sent[:3] == ["HGET", "ZADD+EXPIRE+HGET", "engine"]  # the key's session, ...
+        assert len(sent) == 4 and sent[-1].endswith("+ZREM")  # ... and the publish takes the marker with it
         t1, t2 = [await gw.store.get_interaction(interaction_id=r.id) for r in (first, second)]
         assert t2.parent_id == t1.id and t2.session_id == sess["session_id"]
         assert not await gw.app.state.inflight.busy([sess["session_id"]])
