@@ -12,7 +12,6 @@ their bytes must never change.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
@@ -34,15 +33,22 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
-# 19 digits in a row may be an integer beyond 64 bits, which orjson reads as a float (json: an exact int)
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# 19 digits in a row may be an integer beyond 64 bits, which orjson reads as a float (json: an exact int).
+# Looked for by mapping every digit to "0" and everything else to "." (one C pass, ~5 us for a 3 KB body,
+# where a regular expression took ~60 us: more than orjson's parse of it).
+_DIGITS_AS_ZEROS = bytes(48 if 48 <= b <= 57 else 46 for b in range(256))
+_LONG_DIGITS = b"0" * 19
+
+
+def _has_long_digits(data: bytes) -> bool:
+    return _LONG_DIGITS in data.translate(_DIGITS_AS_ZEROS)
 
 
 def loads(raw: bytes | str) -> Any:
     """Strict JSON (no ``NaN``/``Infinity`` literals). Raises ``ValueError`` (``UnicodeDecodeError`` for
     bytes that are not UTF-8) with the standard library's message."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
-    if _LONG_DIGITS.search(data):
+    if _has_long_digits(data):
         return json.loads(raw, parse_constant=_no_constants)
     try:
         return orjson.loads(raw)
