@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -92,6 +93,8 @@ class TurnPlan:
     handed: int = 0  # of those, sessions created (they keep their charge; the rest is given back)
     tracked: bool = False  # the in-flight marker of ``session`` was added with its lookup (and is held)
     timings: dict[str, float] = field(default_factory=dict)
+    # checks that do not change the prompt (the sampled drift check), run while the engine generates
+    checks: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 @dataclass
@@ -292,14 +295,13 @@ class GenerationService:
                     full = await self.svc.store.full_sequence(interaction_id=parent.id)
                 except store_errors.StoreError as exc:
                     raise from_store_error(exc) from exc
-                if _sample_drift(len(history), self.svc.settings.drift_check_messages):
-                    metrics.drift_checks.inc()
-                    if await _off_loop(template.drift, full, history, tools, new, chars=chars):
-                        metrics.drift.labels("rerender_differs").inc()
                 request = {"messages": new, "tools": tools, "tool_choice": req.tool_choice,
                            "prefix_len": match.prefix_len, "params": params}
-                return TurnPlan(None, parent, full + cont.prompt_ids, cont.prompt_ids, len(cont.bridge_ids),
+                plan = TurnPlan(None, parent, full + cont.prompt_ids, cont.prompt_ids, len(cont.bridge_ids),
                                 None, request, "")
+                if _sample_drift(len(history), self.svc.settings.drift_check_messages):
+                    plan.checks.append(functools.partial(self._check_drift, full, history, tools, new, chars))
+                return plan
             root_reason = reason
         else:
             root_reason = "first_turn" if not candidates else "no_prefix_match"
@@ -307,6 +309,24 @@ class GenerationService:
         request = {"messages": messages, "tools": tools, "tool_choice": req.tool_choice, "prefix_len": 0,
                    "params": params}
         return TurnPlan(None, None, prompt, prompt, 0, root_reason, request, "")
+
+    async def _check_drift(self, full: list[int], history: list[dict[str, Any]], tools: Any,
+                           new: list[dict[str, Any]], chars: int) -> None:
+        """Count whether the template's re-render of the history differs from the stitched tokens (the
+        prompt is the stitched one either way)."""
+        self.svc.metrics.drift_checks.inc()
+        if await _off_loop(self.svc.template.drift, full, history, tools, new, chars=chars):
+            self.svc.metrics.drift.labels("rerender_differs").inc()
+
+    @staticmethod
+    async def _while_generating(plan: TurnPlan) -> None:
+        """Run the plan's checks once the engine calls are under way: one pass of the loop lets each
+        generation task send its request, so a check's CPU overlaps the engine's work instead of
+        preceding it."""
+        if plan.checks:
+            await asyncio.sleep(0)
+            for check in plan.checks:
+                await check()
 
     @staticmethod
     def _params_json(req: SamplingFields) -> dict[str, Any]:
@@ -366,6 +386,7 @@ class GenerationService:
     async def _generate_all(self, plan: TurnPlan, params: SamplingParams, runs: list[ChoiceRun]) -> None:
         tasks = [asyncio.ensure_future(self._generate(plan, params, r)) for r in runs]
         try:
+            await self._while_generating(plan)
             await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
@@ -529,8 +550,9 @@ class GenerationService:
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         tasks = [asyncio.ensure_future(self._stream_choice(plan, params, run, queue)) for run in runs]
         try:
+            await self._while_generating(plan)
             first = await queue.get()
-        except BaseException:  # cancelled (the client left before the first token): so are its choices
+        except BaseException:  # cancelled (the client left before the first token) or a check failed
             await _cancel(tasks)
             raise
         if first[0] == "error":

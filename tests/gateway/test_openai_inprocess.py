@@ -187,6 +187,43 @@ async def test_think_stripping_template_keeps_the_parents_real_tokens(make_gw: A
         assert "agentrl_gateway_template_drift_checks_total 1.0" in metrics
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_drift_check_runs_while_the_engine_generates(make_gw: Any, stream: bool) -> None:
+    """The sampled drift check does not change the prompt, so it runs once the engine call is sent (its CPU
+    overlaps the engine's work), and still counts a re-render that differs, streamed or not."""
+    async with make_gw(["Hi there.", "Fine."]) as gw:
+        client = gw.sdk()
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        r1 = await client.chat.completions.create(model="m", messages=msgs, max_tokens=20)
+        msgs += [assistant(r1.choices[0].message), {"role": "user", "content": "and you?"}]
+        order: list[str] = []
+        engine, template = gw.engine.handle_async_request, gw.svc.template
+        drift = template.drift
+
+        async def generate(request: httpx.Request) -> httpx.Response:
+            order.append("engine")
+            return await engine(request)
+
+        def differs(*args: Any) -> bool:
+            order.append("drift")
+            drift(*args)
+            return True  # counted as a re-render that differs
+
+        gw.engine.handle_async_request = generate
+        template.drift = differs  # type: ignore[method-assign]
+        if stream:
+            chunks = [c async for c in await client.chat.completions.create(
+                model="m", messages=msgs, max_tokens=20, stream=True)]
+            second = chunks[0].id
+        else:
+            second = (await client.chat.completions.create(model="m", messages=msgs, max_tokens=20)).id
+        assert order == ["engine", "drift"]
+        t2 = await gw.store.get_interaction(interaction_id=second)
+        assert t2.parent_id == r1.id
+        metrics = (await gw.http.get("/metrics")).text
+        assert 'agentrl_gateway_template_drift_total{reason="rerender_differs"} 1.0' in metrics
+
+
 async def test_two_parallel_tool_calls_come_back_streamed_and_not(make_gw: Any) -> None:
     async with make_gw([CALL_PARIS + "\n" + CALL_ROME]) as gw:
         client = gw.sdk()
