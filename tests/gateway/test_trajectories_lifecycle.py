@@ -211,6 +211,38 @@ async def test_stop_ends_the_loop_when_cancelled_right_after_a_wake_up(service):
 
 
 
+async def test_the_loop_does_its_upkeep_every_tenth_tick_and_when_woken(service):
+    """The loop's upkeep (outbox sweep, staleness maintenance, deserted groups) runs on its first tick, on
+    every UPKEEP_EVERY_TICKS-th one after it, and on a tick woken by notify(); every tick still finishes
+    and exports. A direct tick() does everything."""
+    upkeeps: list[int] = []
+    real = service._upkeep
+
+    async def counted() -> None:
+        upkeeps.append(service.stats.ticks)
+        await real()
+
+    service._upkeep = counted  # type: ignore[method-assign]
+    every = service.UPKEEP_EVERY_TICKS
+    service.settings.tick_s = 0.01
+    service.start()
+    while service.stats.ticks < 2 * every + 1:
+        await asyncio.sleep(0.01)
+    service.settings.tick_s = 30.0  # the loop now waits between ticks until woken
+    await asyncio.sleep(0.1)
+    seen = list(upkeeps)
+    assert seen[:3] == [1, every + 1, 2 * every + 1], seen  # ticks counted from 1
+    ticks = service.stats.ticks
+    service.notify()
+    while service.stats.ticks == ticks:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert upkeeps[-1] == ticks + 1 and len(upkeeps) == len(seen) + 1  # the woken tick did its upkeep
+    await service.stop()
+    await service.tick()
+    assert len(upkeeps) == len(seen) + 2
+
+
 async def test_overlapping_exporters_never_split_a_group(service):
     """Ticks that overlap (two exporters whose leadership overlapped, or concurrent ticks) claim a group all
     or nothing: every group goes out once, whole."""
