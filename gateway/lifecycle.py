@@ -486,6 +486,15 @@ class TrajectoryService:
                 self.stats.tick_errors += 1
                 log.exception("lifecycle tick failed")
             ticks += 1
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                # A cancellation (stop()) reached the tick and a library below swallowed it: seen with
+                # the queue's upkeep during shutdown, after which this loop waited a whole tick_s (an hour
+                # in a test) on a wake-up that the clear() below had already erased. Honour it here.
+                log.warning("lifecycle: a cancellation was swallowed during a tick; stopping the loop")
+                raise asyncio.CancelledError
+            if self._stopping:
+                return
             self._wake.clear()
             # Not asyncio.wait_for: on Python 3.11 it returns normally, swallowing the cancellation, when
             # the task is cancelled in the same loop iteration as the event is set (a notify() such as

@@ -243,6 +243,30 @@ async def test_the_loop_does_its_upkeep_every_tenth_tick_and_when_woken(service)
     assert len(upkeeps) == len(seen) + 2
 
 
+async def test_stop_ends_the_loop_when_a_tick_swallows_the_cancellation(service):
+    """A library below the tick that swallows the cancellation (seen in the queue's upkeep at shutdown) used
+    to leave the loop waiting a whole tick_s, its wake-up from stop() cleared: the CI hang of stop 26."""
+    entered = asyncio.Event()
+
+    async def swallowing() -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass  # what the library did
+
+    service._upkeep = swallowing  # type: ignore[method-assign]
+    service.settings.tick_s = 3600.0
+    service.start()
+    await entered.wait()
+    stopping = asyncio.create_task(service.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)  # a hang check, not a timing figure
+    if not done:
+        stopping.cancel()
+        await asyncio.gather(stopping, return_exceptions=True)
+    assert done, "stop() hung after a tick swallowed its cancellation"
+
+
 async def test_overlapping_exporters_never_split_a_group(service):
     """Ticks that overlap (two exporters whose leadership overlapped, or concurrent ticks) claim a group all
     or nothing: every group goes out once, whole."""
