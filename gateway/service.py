@@ -98,6 +98,20 @@ class TurnPlan:
 
 
 @dataclass
+class Ahead:
+    """The continuation's delta (``ChatTemplate.delta``) for a parent at ``prefix_len``, computed while the
+    parent lookup was out; ``result`` is the exception it raised, if it did (raised again if used)."""
+
+    prefix_len: int
+    result: tuple[int, list[int]] | Exception
+
+    def delta(self) -> tuple[int, list[int]]:
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+@dataclass
 class TurnEvent:
     """One step of a streamed turn, before any wire format renders it.
 
@@ -249,18 +263,20 @@ class GenerationService:
                       if messages[k - 1].get("role") == "assistant"]
         implicit = session is None
         longest_first = [h for _, h in candidates]
-        if session is not None:
-            continued = await self._named(turn, session, longest_first)
-        else:
-            continued = await self._continued(turn, longest_first) if candidates else None
-            if continued is not None:
-                session = continued.record
+        lookup = self._named(turn, session, longest_first) if session is not None \
+            else self._continued(turn, longest_first) if candidates else None
+        ahead: Ahead | None = None
+        if lookup is not None and candidates and self.svc.store.redis is not None:
+            lookup, ahead = await self._ahead(lookup, messages, candidates[0][0], req.tools or None, chars)
+        continued = await lookup if lookup is not None else None
+        if implicit and continued is not None:
+            session = continued.record
         if session is not None and session.status != "active":
             raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
                            code="session_not_active")
         match = await self._find_parent(session.id, candidates, continued) \
             if session is not None and candidates else None
-        plan = await self._stitch(req, messages, match, candidates, chars)
+        plan = await self._stitch(req, messages, match, candidates, chars, ahead)
         plan.session = session
         plan.tracked = continued is not None and continued.marked
         plan.implicit = implicit
@@ -271,8 +287,30 @@ class GenerationService:
         plan.timings["plan_ms"] = _ms(started)
         return plan
 
+    async def _ahead(self, lookup: Awaitable[Continued | None], messages: list[dict[str, Any]], prefix_len: int,
+                     tools: Any, chars: int) -> tuple[Awaitable[Continued | None], Ahead | None]:
+        """Start the parent lookup (a Redis round trip) and, while it is out, compute the continuation's
+        delta for the likeliest parent, the last assistant message (``_stitch`` uses it when the lookup
+        agrees): the render overlaps the wait instead of following it. Only for a conversation that would
+        be rendered on the loop anyway. Returns the lookup to await."""
+        if chars > INLINE_RENDER_CHARS or _tokenize_jobs:
+            return lookup, None
+        task = asyncio.ensure_future(lookup)
+        try:
+            await asyncio.sleep(0)  # the task sends its command
+        except BaseException:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        result: tuple[int, list[int]] | Exception
+        try:
+            result = self.svc.template.delta(messages[:prefix_len], messages[prefix_len:], tools)
+        except Exception as exc:  # raised again only if the turn continues that parent (_stitch)
+            result = exc
+        return task, Ahead(prefix_len, result)
+
     async def _stitch(self, req: ChatCompletionRequest, messages: list[dict[str, Any]], match: Any,
-                      candidates: list[tuple[int, str]], chars: int) -> TurnPlan:
+                      candidates: list[tuple[int, str]], chars: int, ahead: Ahead | None = None) -> TurnPlan:
         template, metrics = self.svc.template, self.svc.metrics
         tools = req.tools or None
         params = self._params_json(req)
@@ -285,8 +323,11 @@ class GenerationService:
                 reason = "tools_changed"
             else:
                 try:
-                    cont = await _off_loop(template.continuation, history, new, tools, parent.output_ids,
-                                           parent.finish_reason, chars=chars)
+                    if ahead is not None and ahead.prefix_len == match.prefix_len:
+                        cont = template.continuation(history, new, tools, parent.output_ids, delta=ahead.delta())
+                    else:
+                        cont = await _off_loop(template.continuation, history, new, tools, parent.output_ids,
+                                               parent.finish_reason, chars=chars)
                 except TemplateDriftError as exc:
                     reason = "template_drift"
                     metrics.drift.labels(exc.reason).inc()

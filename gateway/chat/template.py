@@ -325,6 +325,8 @@ class ChatTemplate:
         tools: Tools,
         parent_output_ids: Sequence[int],
         parent_finish_reason: str | None = None,
+        *,
+        delta: tuple[int, list[int]] | None = None,
     ) -> Continuation:
         """Tokens to append after the parent's exact prompt + output tokens.
 
@@ -334,13 +336,22 @@ class ChatTemplate:
         one (cut by length, by a stop string, or an engine that drops the stop token); the decision is
         taken on the tokens, not on ``parent_finish_reason`` (a ``stop`` finish covers both a stop token
         and a stop string), which is accepted for logging only. Raises :class:`TemplateDriftError`.
+        ``delta``: :meth:`delta` of the same messages and tools, computed earlier (nothing is rendered).
         """
         del parent_finish_reason  # the tokens decide, see the docstring
+        end_of_turn, ids = delta if delta is not None else self.delta(history, new_messages, tools)
+        ended = bool(parent_output_ids) and parent_output_ids[-1] in self.end_of_turn_ids
+        return Continuation(bridge_ids=[] if ended else [end_of_turn], delta_ids=ids)
+
+    def delta(
+        self, history: Sequence[Mapping[str, Any]], new_messages: Sequence[Mapping[str, Any]], tools: Tools
+    ) -> tuple[int, list[int]]:
+        """``(end-of-turn token, tokens after it)`` of ``new_messages`` after ``history`` (ending with the
+        parent's assistant message): what :meth:`continuation` appends, whatever the parent's tokens.
+        Raises :class:`TemplateDriftError`, :class:`ChatFormatError`."""
         if not history or history[-1].get("role") != "assistant":
             raise ValueError("history must end with the parent's assistant message")
-        end_of_turn, delta = self._delta(history, new_messages, tools)
-        ended = bool(parent_output_ids) and parent_output_ids[-1] in self.end_of_turn_ids
-        return Continuation(bridge_ids=[] if ended else [end_of_turn], delta_ids=delta)
+        return self._delta(history, new_messages, tools)
 
     def drift(
         self,

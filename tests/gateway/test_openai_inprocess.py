@@ -501,6 +501,43 @@ async def test_an_implicit_follow_up_finds_its_episode_in_one_redis_round_trip(m
                 if await gw.store.redis.zcard(k)] == []
 
 
+async def test_the_continuation_is_rendered_while_the_parent_lookup_is_out(make_gw: Any, redis_prefix: str) -> None:
+    """With Redis, a follow-up's continuation for its likeliest parent (the last assistant message) is
+    computed after the lookup's script call is sent and before its answer is used, and is the one recorded.
+    When the lookup finds an earlier parent (the last assistant message was never sent by the gateway), the
+    continuation is that parent's, as without the head start."""
+    async with make_gw(["a", "b", "c"], redis=REDIS_URL, redis_prefix=redis_prefix, agent_key=[AGENT],
+                       tick_s=3600) as gw:
+        template = gw.svc.template
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        first = await gw.sdk().chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        msgs += [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
+        sent = record_redis_and_engine(gw)
+        delta = template.delta
+
+        def traced(*args: Any) -> Any:
+            sent.append("delta")
+            return delta(*args)
+
+        template.delta = traced  # type: ignore[method-assign]
+        second = await gw.sdk().chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        assert sent[:3] == ["EVALSHA", "delta", "engine"]
+        assert sent.count("delta") == 1  # not rendered again after the lookup
+        t1, t2 = [await gw.store.get_interaction(interaction_id=r.id) for r in (first, second)]
+        assert t2.parent_id == t1.id
+        expected = delta(msgs[:2], msgs[2:], None)
+        assert t2.prompt_ids == template.continuation(msgs[:2], msgs[2:], None, t1.output_ids,
+                                                      delta=expected).prompt_ids
+
+        edited = msgs + [{"role": "assistant", "content": "never generated"}, {"role": "user", "content": "so?"}]
+        sent.clear()
+        third = await gw.sdk().chat.completions.create(model="m", messages=edited, max_tokens=5)
+        assert sent[:2] == ["EVALSHA", "delta"] and sent.count("delta") == 2  # the guess, then the real parent
+        t3 = await gw.store.get_interaction(interaction_id=third.id)
+        assert t3.parent_id == t1.id  # the last assistant message is not a recorded answer; the first is
+        assert t3.prompt_ids == template.continuation(edited[:2], edited[2:], None, t1.output_ids).prompt_ids
+
+
 async def test_a_follow_up_the_store_refuses_still_takes_its_marker_back(make_gw: Any, redis_prefix: str,
                                                                        monkeypatch: Any) -> None:
     """The marker's removal rides on the publish after a commit; a turn whose commit fails (the database
