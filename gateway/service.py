@@ -38,7 +38,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -148,6 +148,12 @@ class Turn(AsyncExitStack):
         super().__init__()
         self.markers: list[str] = []
 
+    async def hold(self, marked: AbstractAsyncContextManager[str | None]) -> None:
+        """Enter ``InFlight.track`` / ``adopt`` for the rest of the turn and keep the member it yields."""
+        member = await self.enter_async_context(marked)
+        if member is not None:
+            self.markers.append(member)
+
 
 class GenerationService:
     def __init__(self, svc: Services, *, owner: str | None = None) -> None:
@@ -161,12 +167,7 @@ class GenerationService:
         not created yet, or an app without the lifecycle)."""
         inflight = getattr(self.svc.app_state, "inflight", None)
         if inflight is not None and session is not None:
-            self._hold(turn, await turn.enter_async_context(inflight.track(session.id)))
-
-    @staticmethod
-    def _hold(turn: Turn, member: str | None) -> None:
-        if member is not None:
-            turn.markers.append(member)
+            await turn.hold(inflight.track(session.id))
 
     async def _track_planned(self, turn: Turn, given: SessionRecord | None, plan: TurnPlan) -> None:
         """Also track the session planning found (an implicit-mode continuation), unless its marker was
@@ -214,7 +215,7 @@ class GenerationService:
         continued = record.status == "active" and (record.metadata or {}).get("owner") == self.owner
         if hit.marked and marker is not None:
             if continued:
-                self._hold(turn, await turn.enter_async_context(inflight.adopt(hit.session_id, marker.member)))
+                await turn.hold(inflight.adopt(hit.session_id, marker.member))
             else:
                 inflight.discard(hit.session_id, marker.member)
         return dataclasses.replace(hit, record=record) if continued else None
@@ -233,7 +234,7 @@ class GenerationService:
         if hit is None:  # no Redis, or nothing to look up (a first turn): the marker alone
             await self._track(turn, session)
             return None
-        self._hold(turn, await turn.enter_async_context(inflight.adopt(session.id, marker.member)))
+        await turn.hold(inflight.adopt(session.id, marker.member))
         return hit
 
     def _refuse_surely_too_long(self, messages: Any, tools: Any) -> int:
@@ -299,8 +300,7 @@ class GenerationService:
         try:
             await asyncio.sleep(0)  # the task sends its command
         except BaseException:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await _cancel([task])
             raise
         result: tuple[int, list[int]] | Exception
         try:
