@@ -883,7 +883,8 @@ class Store:
         cached (Redis included) with the turns. ``publish``: Redis ``(key, value, ttl)`` entries set in the
         same round trip as the turns' index after the commit (the gateway's implicit-episode index;
         ignored without Redis). ``release``: Redis sorted-set ``(key, member)`` entries removed in that
-        round trip (the turn's in-flight markers, ``InFlight.releases``; ignored without Redis).
+        round trip (the turn's in-flight markers, ``InFlight.releases``; ignored without Redis). That round
+        trip is sent before this returns and answered after (:meth:`published` waits for it).
 
         Group commit: rows of concurrent callers are written in one transaction by a background writer;
         each caller awaits its own outcome. All rows of one call commit together or not at all; a
@@ -899,46 +900,81 @@ class Store:
         rows = [interaction_to_row(it) for it in interactions]
         await self._writer.submit(list(interactions), rows, [new.row for new in create], publish, release)
 
-    async def _after_commit(self, jobs: list[Any]) -> None:
-        """Cache the new turns' full sequences (when the parent's is at hand) and the sessions created with
-        them, and publish all that (and the jobs' ``publish`` entries, and the removal of their ``release``
-        entries) to Redis in one round trip, before their callers are answered."""
+    async def published(self) -> None:
+        """Return once Redis has answered the after-commit publish of every turn recorded so far (what
+        :meth:`record_interactions` sends to Redis without waiting for its reply)."""
+        await self._writer.published()
+
+    def _after_commit(self, jobs: list[Any]) -> Awaitable[None] | None:
+        """Cache the new turns and the sessions created with them in the process, and return what is left
+        to do with Redis (None without it): publishing all that (and the jobs' ``publish`` entries, and
+        the removal of their ``release`` entries) in one round trip. The writer answers the jobs' callers
+        and then awaits it: its command is on Redis's socket before any caller is answered (so a follow-up,
+        which can only come after the answer, finds the turn in Redis from any replica), and the caller
+        does not wait for Redis's reply (a lost publish costs a follow-up a SQL lookup, not its link)."""
         committed = [pair for job in jobs for pair in zip(job.interactions, job.rows)]
         created = [row for job in jobs for row in job.sessions]
         if self._local:
             for row in created:
                 self._remember(self._sessions, row["id"], session_from_row(row))
+        if self._redis is None:
+            self._cache_committed(committed)
+            return None
+        return self._publish_committed(jobs, committed, created)
+
+    def _cache_committed(self, committed: list[tuple[Interaction, dict[str, Any]]]) -> tuple[
+            list[tuple[str, bytes]], list[tuple[Interaction, dict[str, Any]]]]:
+        """The committed turns into the process's caches: their full sequences cached, for those whose
+        parent's is at hand (returned, to publish), and the turns whose parent's is not (returned too)."""
         sequences: list[tuple[str, bytes]] = []
-        fetched: dict[str, bytes] = {}
-        if self._redis is not None:  # a branch from a turn whose copy already left (below): Redis has it
-            batch = {it.id for it, _ in committed}
-            missing = [pid for pid in dict.fromkeys(it.parent_id for it, _ in committed)
-                       if pid is not None and pid not in batch and pid not in self._seqs]
-            if missing:
-                fetched = await self._redis.seq_get_many(missing)
+        unknown: list[tuple[Interaction, dict[str, Any]]] = []
         for it, row in committed:
             self._turns.put(it)
             if self._local:
                 self._remember(self._chains, (it.session_id, it.chain_hash), it.id)
-            parent = b"" if it.parent_id is None else (self._seqs.get(it.parent_id) or fetched.get(it.parent_id))
+            parent = b"" if it.parent_id is None else self._seqs.get(it.parent_id)
             if parent is None:
-                continue  # computed from SQL on first use
+                unknown.append((it, row))
+                continue
             packed = parent + row["prompt_ids"] + row["output_ids"]
             self._seqs.put(it.id, packed)
             sequences.append((it.id, packed))
-        if self._redis is not None:
-            # A conversation's next turn extends this one, not its parent, so with Redis (which holds every
-            # sequence cached here, SEQ_TTL_S) the parents' copies leave this process: the cache then holds
-            # about one sequence per live conversation instead of every turn of each (its bound filled in
-            # about a minute of the 1,000-agent soak, ~36 MB). A retry or branch from a parent reads Redis.
-            for it, _ in committed:
-                if it.parent_id is not None:
-                    self._seqs.discard(it.parent_id)
-            chain = [(it.session_id, it.chain_hash, it.id) for it, _ in committed]
-            await self._redis.publish_turns(chain, sequences,
-                                            sessions=[(row["key_hash"], session_from_row(row)) for row in created],
-                                            extra=[entry for job in jobs for entry in job.publish],
-                                            release=[entry for job in jobs for entry in job.release])
+        return sequences, unknown
+
+    async def _publish_committed(self, jobs: list[Any], committed: list[tuple[Interaction, dict[str, Any]]],
+                                 created: list[dict[str, Any]]) -> None:
+        redis = self._redis
+        assert redis is not None
+        sequences, unknown = self._cache_committed(committed)
+        # A conversation's next turn extends this one, not its parent, so with Redis (which holds every
+        # sequence cached here, SEQ_TTL_S) the parents' copies leave this process: the cache then holds
+        # about one sequence per live conversation instead of every turn of each (its bound filled in
+        # about a minute of the 1,000-agent soak, ~36 MB). A retry or branch from a parent reads Redis.
+        for it, _ in committed:
+            if it.parent_id is not None:
+                self._seqs.discard(it.parent_id)
+        chain = [(it.session_id, it.chain_hash, it.id) for it, _ in committed]
+        # Nothing is awaited before this write: the callers are answered after it is on Redis's socket, so
+        # their next command on this connection (a follow-up's lookup) comes after it.
+        await redis.publish_turns(chain, sequences,
+                                  sessions=[(row["key_hash"], session_from_row(row)) for row in created],
+                                  extra=[entry for job in jobs for entry in job.publish],
+                                  release=[entry for job in jobs for entry in job.release])
+        # A branch from a turn whose copy already left this process: its parent's sequence is in Redis, and
+        # the branch's own is cached after (until then, a follow-up of the branch reads SQL for it).
+        missing = list(dict.fromkeys(it.parent_id for it, _ in unknown if it.parent_id is not None))
+        if not missing:
+            return
+        fetched = await redis.seq_get_many(missing)
+        later: list[tuple[str, bytes]] = []
+        for it, row in unknown:
+            parent = fetched.get(it.parent_id) if it.parent_id is not None else None
+            if parent is not None:
+                packed = parent + row["prompt_ids"] + row["output_ids"]
+                self._seqs.put(it.id, packed)
+                later.append((it.id, packed))
+        if later:
+            await redis.seq_put(later)
 
     async def get_interaction(self, *, interaction_id: str) -> Interaction:
         """One turn. NotFound if unknown."""

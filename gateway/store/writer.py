@@ -3,8 +3,9 @@
 Callers put a job (their rows) on a queue and await its future. The writer takes everything pending (up
 to ``max_batch_rows``), checks it against the database inside one transaction (session still active,
 parents known and in the same session, ids new), inserts the rows that pass, moves the sessions'
-``last_activity_at``, commits, runs the after-commit hook (caches, Redis index) and only then resolves
-the futures. There is no timer on the fast path: while one transaction commits, the next batch gathers,
+``last_activity_at``, commits, runs the after-commit hook (the process's caches) and only then resolves
+the futures; the hook's Redis publish (the index other replicas read) is written to Redis's socket before
+the callers resume, and its reply is awaited by the writer alone, before the next batch. There is no timer on the fast path: while one transaction commits, the next batch gathers,
 so batches grow with load and an idle store answers at once (``delay_s`` adds a wait if wanted).
 
 On SQLite the whole transaction of a batch (``BEGIN IMMEDIATE``, the checks, the inserts, the activity
@@ -94,7 +95,7 @@ class GroupCommitWriter:
         lock_rows: bool,
         max_batch_rows: int,
         delay_s: float,
-        after_commit: Callable[[list[_Job]], Awaitable[None]],
+        after_commit: Callable[[list[_Job]], Awaitable[None] | None],
         direct: SqliteBatchWriter | PostgresBatchWriter | None = None,
     ) -> None:
         self._transaction = transaction
@@ -105,6 +106,8 @@ class GroupCommitWriter:
         self._after_commit = after_commit
         self._queue: list[_Job] = []
         self._wake = asyncio.Event()
+        self._published = asyncio.Event()  # clear while an after-commit publish awaits its reply
+        self._published.set()
         self._closing = False
         self.stats = CommitStats()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="store-group-commit")
@@ -124,6 +127,10 @@ class GroupCommitWriter:
         self._wake.set()
         # shield: a caller that goes away (client disconnect) does not cancel a write already queued
         await asyncio.shield(future)
+
+    async def published(self) -> None:
+        """Return once the after-commit publish of the batches committed so far has its reply."""
+        await self._published.wait()
 
     async def close(self) -> None:
         """Write what is queued, then stop."""
@@ -186,9 +193,10 @@ class GroupCommitWriter:
                 _fail(job, exc)
             self.stats.failed_calls += len(batch)
             return
+        publish: Awaitable[None] | None = None
         if committed:
             try:
-                await self._after_commit(committed)
+                publish = self._after_commit(committed)
             except Exception:  # caches only; the rows are durable, so the callers still succeed
                 log.exception("group commit: after-commit hook failed")
         for job in committed:
@@ -197,6 +205,16 @@ class GroupCommitWriter:
         self.stats.calls += len(committed)
         self.stats.rows += sum(len(job.rows) for job in committed)
         self.stats.max_batch_calls = max(self.stats.max_batch_calls, len(committed))
+        if publish is not None:
+            # Awaited here, before the next batch: its first step (up to the Redis command's write) runs
+            # now, before the callers resume, and its reply is waited for by this task alone.
+            self._published.clear()
+            try:
+                await publish
+            except Exception:  # caches only, as above
+                log.exception("group commit: after-commit publish failed")
+            finally:
+                self._published.set()
 
     async def _write(self, batch: list[_Job]) -> list[_Job]:
         """One transaction for ``batch``. Jobs failing the checks are failed here and left out; returns

@@ -448,7 +448,7 @@ async def test_an_implicit_conversation_outlives_a_restart_without_redis(make_gw
 
 def record_redis_and_engine(gw: Gw) -> list[str]:
     """From now on, the commands the gateway's lean Redis client sends (a pipeline as ``A+B``) and its engine
-    calls (``engine``), in order. The lifecycle's ``busy()`` check (``ZCOUNT``s), which a tick may run
+    generation calls (``engine``), in order. The lifecycle's ``busy()`` check (``ZCOUNT``s), which a tick may run
     alongside a turn, is left out."""
     sent: list[str] = []
     hot, engine = gw.store.redis_hot, gw.engine.handle_async_request
@@ -464,7 +464,8 @@ def record_redis_and_engine(gw: Gw) -> list[str]:
         return await type(hot).execute_many(hot, commands, raise_on_error=raise_on_error)
 
     async def generate(request: httpx.Request) -> httpx.Response:
-        sent.append("engine")
+        if request.url.path.endswith("/generate"):  # not the router's health and version checks
+            sent.append("engine")
         return await engine(request)
 
     hot.execute_command, hot.execute_many, gw.engine.handle_async_request = one, many, generate

@@ -165,6 +165,7 @@ async def test_sessions_created_with_turns_and_published_entries_reach_redis_wit
             extra = f"{redis_prefix}test:published:{k}"
             await one.record_interactions([make_turn(f"p{k}", new.id, None, prompt=[1], output=[2])],
                                           create=[new], publish=[(extra, new.id, 60)])
+            await one.published()  # sent before the caller is answered, its reply (a NOSCRIPT resend) after
             assert (await client.get(extra)) == new.id.encode()
             assert await client.ttl(extra) > 0
             statements: list[str] = []
@@ -257,6 +258,7 @@ async def test_with_redis_a_turn_superseded_by_its_child_leaves_process_memory_n
         await store.record_interactions([make_turn("p0", s.id, None, prompt=[1, 2], output=[3])])
         await store.record_interactions([make_turn("p1", s.id, "p0", prompt=[4], output=[5])])
         await store.record_interactions([make_turn("p1b", s.id, "p0", prompt=[6], output=[7])])  # a branch
+        await store.published()  # with Redis the branch reads its parent there after the caller's answer
         kept = {turn for turn in ("p0", "p1", "p1b") if turn in store._seqs}
         if backend.redis_url is None:
             assert kept == {"p0", "p1", "p1b"}
@@ -272,8 +274,8 @@ async def test_with_redis_a_turn_superseded_by_its_child_leaves_process_memory_n
 
 async def test_redis_failing_while_a_branch_reads_its_parent_leaves_the_branch_to_sql(pg_url: str,
                                                                                        redis_prefix: str) -> None:
-    """A branch committed after its parent's copy left the process reads the parent from Redis at commit
-    (one MGET). Redis failing right then is only a cache miss: the branch is committed and answered, its
+    """A branch committed after its parent's copy left the process reads the parent from Redis after its
+    commit's publish (one MGET). Redis failing right then is only a cache miss: the branch is committed and answered, its
     sequence is not cached anywhere, and it is rebuilt from SQL when asked for; the failure is counted."""
     store = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
     try:
@@ -290,10 +292,42 @@ async def test_redis_failing_while_a_branch_reads_its_parent_leaves_the_branch_t
 
         hot.execute_command = refused
         await store.record_interactions([make_turn("p1b", s.id, "p0", prompt=[6], output=[7])])
+        await store.published()
         del hot.execute_command
         assert store._redis.errors == errors + 1
         assert "p1b" not in store._seqs and await store._redis.seq_get("p1b") is None
         assert await store.full_sequence(interaction_id="p1b") == [1, 2, 3, 6, 7]  # from SQL
         assert (await store.get_interaction(interaction_id="p1b")).parent_id == "p0"
     finally:
+        await store.close()
+
+
+async def test_the_caller_is_answered_before_redis_answers_the_publish(pg_url: str, redis_prefix: str) -> None:
+    """The after-commit publish is written to Redis before the caller is answered and its reply is not
+    waited for: with Redis holding every write (``CLIENT PAUSE WRITE``) the turn is still answered, and a
+    lookup sent after the answer on the same connection sees the publish (a retry recorded during the pause
+    is the newest turn of its chain hash, so a lookup that overtook the publish would name the older one)."""
+    store = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        s = await store.create_session()
+        first = make_turn("q1", s.id, None, prompt=[1], output=[2], chain_hash="chain-q")
+        await store.record_interactions([first])
+        await store.published()
+        retry = make_turn("q1-retry", s.id, None, prompt=[1], output=[3], chain_hash="chain-q",
+                          created_at=first.created_at + 1)
+        await client.execute_command("CLIENT", "PAUSE", "10000", "WRITE")
+        try:
+            await asyncio.wait_for(store.record_interactions([retry]), 5)  # answered while Redis holds it
+            published = asyncio.ensure_future(store.published())
+            lookup = asyncio.ensure_future(store.find_parent(session_id=s.id, candidates=[(1, "chain-q")]))
+            await asyncio.sleep(0.2)
+            assert not published.done() and not lookup.done()  # both wait for Redis, in that order
+        finally:
+            await client.execute_command("CLIENT", "UNPAUSE")
+        await published
+        match = await lookup
+        assert match is not None and match.interaction.id == "q1-retry"
+    finally:
+        await client.aclose()
         await store.close()
