@@ -17,9 +17,11 @@ The load generator is ``wrk`` (C, one event loop per thread; ``bench/wrk/chat.lu
 times each turn), so the client costs little of the machine's cores. Added latency = a proxy's p50 minus
 the p50 of calling the upstream directly at the same concurrency. The machine (cores, model) and its load
 (``/proc/loadavg`` before every block) are printed and saved: the cores are shared with other jobs, so
-absolute numbers move; the ratios within one run are the figures to read.
+absolute numbers move; the ratios within one run are the figures to read. The machine's speed can also
+change within a run (by 2x within minutes here): ``--rounds N`` cycles the targets N times per scenario and
+concurrency and reports medians, and each ratio as the median of the rounds' own ratios.
 
-    python bench/gateway.py [--duration 5] [--concurrency 1,8,32,128] [--targets ours-sqlite,litellm,...]
+    python bench/gateway.py [--duration 5] [--concurrency 1,8,32,128] [--rounds 1] [--targets ours-sqlite,litellm,...]
 
 Writes ``docs/bench/gateway.json`` and ``docs/bench/gateway.png`` (``--out DIR``). LiteLLM comes from
 ``.venv-bench/bin/litellm`` (``pip install '.[bench]'`` into a separate venv), ``$AGENTRL_BENCH_LITELLM`` or
@@ -34,12 +36,13 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,19 +240,22 @@ def drain(t: Target) -> None:
 
 
 def measure(targets: list[Target], levels: list[int], duration_s: float, turns: int, scenarios: list[str],
-            loads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            loads: list[dict[str, Any]], rounds: int = 1) -> list[dict[str, Any]]:
+    """One wrk run per target, scenario and concurrency; with ``rounds`` > 1, the targets of a scenario and
+    concurrency are cycled that many times (round k of every target measured next to the others' round k),
+    each result carrying its ``round``."""
     results: list[dict[str, Any]] = []
     run_tag = uuid.uuid4().hex[:6]
     for scenario in scenarios:
         mode = "named" if scenario == "session-named" else "session" if scenario.startswith("session") else "raw"
         stream = scenario.endswith("stream")
-        for c in levels:
-            loads.append({"scenario": scenario, "concurrency": c, "loadavg": loadavg(), "at": time.time()})
+        for c, k in ((c, k) for c in levels for k in range(rounds)):
+            loads.append({"scenario": scenario, "concurrency": c, "round": k, "loadavg": loadavg(), "at": time.time()})
             for t in targets:
                 if scenario not in t.scenarios:
                     continue
                 body = (t.extra["stream_body"] if stream else t.body_file) if mode == "raw" else None
-                tag = f"{run_tag}{t.name}{scenario}{c}"
+                tag = f"{run_tag}{t.name}{scenario}{c}r{k}"
                 # long enough for every connection to finish a few requests at a few tens of req/s
                 seconds = max(duration_s, c / 10)
                 key = ADMIN if mode == "named" else t.key  # named: the key that creates the sessions
@@ -263,41 +269,60 @@ def measure(targets: list[Target], levels: list[int], duration_s: float, turns: 
                 run_wrk(warm, timeout_s=120)
                 drain(t)
                 r = run_wrk(argv, timeout_s=seconds + 180, named=mode == "named")
-                r.update(target=t.name, scenario=scenario, concurrency=c)
+                r.update(target=t.name, scenario=scenario, concurrency=c, round=k)
                 results.append(r)
                 turn_info = ""
                 if mode != "raw" and r["turn_p50_ms"] and r["turn_p50_ms"][0] is not None:
                     last = r["turn_p50_ms"][-1]
                     turn_info = f"  turn1 {r['turn_p50_ms'][0]:.2f} ms, turn{turns} " + (
                         f"{last:.2f} ms" if last is not None else "n/a")
-                print(f"{scenario:15s} c={c:<4d} {t.name:16s} {r['rps']:9.1f} req/s  p50 {r['p50_ms']:8.2f} ms  "
+                print(f"{scenario:15s} c={c:<4d} {'' if rounds == 1 else f'r{k} '}{t.name:16s} {r['rps']:9.1f} req/s  p50 {r['p50_ms']:8.2f} ms  "
                       f"p99 {r['p99_ms']:8.2f} ms  errors {r['errors']}{turn_info}", flush=True)
     return results
 
 
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
 def table(results: list[dict[str, Any]], turns: int) -> list[dict[str, Any]]:
     """Rows with ratios: req/s vs LiteLLM's in the same scenario and concurrency, added p50 vs the upstream
-    called directly, turn-N / turn-1 p50, --workers 2 vs 1 worker."""
-    by = {(r["target"], r["scenario"], r["concurrency"]): r for r in results}
-    rows = []
+    called directly, turn-N / turn-1 p50, --workers 2 vs 1 worker. With several rounds, every figure is the
+    median over the rounds, and every ratio the median of the rounds' own ratios (each round's targets were
+    measured next to each other, so a ratio within a round sees one machine speed)."""
+    runs: dict[tuple[str, str, int], dict[int, dict[str, Any]]] = {}
     for r in results:
-        if r["target"].startswith("upstream"):
+        runs.setdefault((r["target"], r["scenario"], r["concurrency"]), {})[r.get("round", 0)] = r
+    rows = []
+    for (target, scenario, c), mine in runs.items():
+        if target.startswith("upstream"):
             continue
-        key = (r["scenario"], r["concurrency"])
         # a plain proxy has no named sessions: its session row is the same conversations' traffic
-        peer = by.get(("litellm", "session" if r["scenario"] == "session-named" else r["scenario"], r["concurrency"]))
-        base = by.get(("upstream-openai" if r["target"] == "litellm" else "upstream-native", *key))
-        one = by.get(("ours-pg", *key))
-        t1 = r["turn_p50_ms"][0] if r["turn_p50_ms"] else None
-        tn = r["turn_p50_ms"][turns - 1] if len(r["turn_p50_ms"]) >= turns else None
+        peer = runs.get(("litellm", "session" if scenario == "session-named" else scenario, c), {})
+        base = runs.get(("upstream-openai" if target == "litellm" else "upstream-native", scenario, c), {})
+        one = runs.get(("ours-pg", scenario, c), {})
+
+        def ratio(other: dict[int, dict[str, Any]], of: Callable[[dict[str, Any], dict[str, Any]], float | None]
+                  ) -> float | None:
+            return _median([of(r, other[k]) for k, r in mine.items() if k in other])
+
+        def turn(r: dict[str, Any], index: int) -> float | None:
+            return r["turn_p50_ms"][index] if len(r["turn_p50_ms"]) > index else None
+
+        session = scenario.startswith("session")
         rows.append({
-            "scenario": r["scenario"], "concurrency": r["concurrency"], "target": r["target"], "rps": r["rps"],
-            "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"], "errors": r["errors"],
-            "vs_litellm": r["rps"] / peer["rps"] if peer and peer["rps"] and r["target"] != "litellm" else None,
-            "added_p50_ms": r["p50_ms"] - base["p50_ms"] if base else None,
-            "turn1_ms": t1 if r["scenario"].startswith("session") else None,
-            "turnN_ms": tn if r["scenario"].startswith("session") else None,
-            "workers2_vs_1": r["rps"] / one["rps"] if r["target"] == "ours-pg-w2" and one and one["rps"] else None,
+            "scenario": scenario, "concurrency": c, "target": target, "rounds": len(mine),
+            "rps": _median([r["rps"] for r in mine.values()]),
+            "p50_ms": _median([r["p50_ms"] for r in mine.values()]),
+            "p99_ms": _median([r["p99_ms"] for r in mine.values()]),
+            "errors": sum(r["errors"] for r in mine.values()),
+            "vs_litellm": None if target == "litellm" else ratio(peer, lambda a, b: a["rps"] / b["rps"] if b["rps"] else None),
+            "added_p50_ms": ratio(base, lambda a, b: a["p50_ms"] - b["p50_ms"]),
+            "turn1_ms": _median([turn(r, 0) for r in mine.values()]) if session else None,
+            "turnN_ms": _median([turn(r, turns - 1) for r in mine.values()]) if session else None,
+            "workers2_vs_1": ratio(one, lambda a, b: a["rps"] / b["rps"] if b["rps"] else None)
+            if target == "ours-pg-w2" else None,
         })
     return rows
 
@@ -329,7 +354,11 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
     for ax, scenario in zip(axes[0], scenarios):
         names = sorted({r["target"] for r in results if r["scenario"] == scenario})
         for name in names:
-            pts = sorted((r["concurrency"], r["rps"]) for r in results if r["scenario"] == scenario and r["target"] == name)
+            by_level: dict[int, list[float | None]] = {}
+            for r in results:
+                if r["scenario"] == scenario and r["target"] == name:
+                    by_level.setdefault(r["concurrency"], []).append(r["rps"])
+            pts = sorted((c, _median(rps)) for c, rps in by_level.items())  # with rounds: their median
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if name.startswith("ours") else "s--", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -353,6 +382,9 @@ def main() -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--targets", default="upstream-native,upstream-openai,ours-sqlite,ours-pg,ours-pg-w2,litellm")
     parser.add_argument("--litellm", default=None, help="path of the litellm executable")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every target this many times per scenario and concurrency, interleaved; "
+                             "the table gives medians, and the medians of each round's own ratios")
     parser.add_argument("--out", default=str(REPO / "docs" / "bench"), help="folder for gateway.json / .png")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
@@ -427,10 +459,10 @@ def main() -> int:
             base = start_litellm(procs, litellm, upstream, work)
             targets.append(Target("litellm", base + "/v1/chat/completions", PEER_KEY, "peer", scenarios=PEER_SCENARIOS,
                                   body_file=bodies["chat"], extra={"stream_body": bodies["chat-stream"]}))
-        print(f"targets: {', '.join(t.name for t in targets)}; {args.duration:g} s per measurement (+1 s warm-up)",
-              flush=True)
+        print(f"targets: {', '.join(t.name for t in targets)}; {args.duration:g} s per measurement (+1 s warm-up)"
+              + ("" if args.rounds == 1 else f", {args.rounds} rounds (medians)"), flush=True)
         started = time.time()
-        results = measure(targets, levels, args.duration, args.turns, scenarios, loads)
+        results = measure(targets, levels, args.duration, args.turns, scenarios, loads, rounds=args.rounds)
         stores = {t.name: recorded(t.db) for t in targets if t.db}
         wall = time.time() - started
     for prefix in prefixes:
@@ -450,6 +482,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "wall_s": wall,
                "machine": info, "loads": loads, "duration_s": args.duration, "turns": args.turns,
+               "rounds": args.rounds,
                "load_generator": "wrk " + subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout.split("\n")[0],
                "results": results, "table": rows, "stores": stores}
     (out / "gateway.json").write_text(json.dumps(payload, indent=1))

@@ -68,6 +68,22 @@ def test_table_ratios() -> None:
     assert "| single | 8 | ours-pg | 100.0 |" in bench.markdown(rows, 2)
 
 
+def test_table_with_rounds_takes_medians_and_the_median_of_each_rounds_ratio() -> None:
+    """Round k of each target is compared with round k of the others: a machine twice as slow in round 1
+    halves both sides, and the ratio stays; figures are medians over the rounds."""
+    def r(target: str, k: int, rps: float, p50: float) -> dict:
+        return {"target": target, "scenario": "single", "concurrency": 1, "round": k, "rps": rps, "p50_ms": p50,
+                "p99_ms": 2 * p50, "errors": k, "turn_p50_ms": [p50]}
+
+    results = [r("upstream-native", 0, 1000, 0.2), r("ours-pg", 0, 400, 2.0), r("litellm", 0, 80, 12.0),
+               r("upstream-native", 1, 500, 0.4), r("ours-pg", 1, 200, 4.0), r("litellm", 1, 40, 24.0),
+               r("upstream-native", 2, 1000, 0.2), r("ours-pg", 2, 300, 3.0), r("litellm", 2, 100, 10.0)]
+    ours = next(x for x in bench.table(results, turns=1) if x["target"] == "ours-pg")
+    assert ours["rounds"] == 3 and ours["rps"] == 300 and ours["p50_ms"] == 3.0 and ours["errors"] == 3
+    assert ours["vs_litellm"] == 5.0  # rounds: 5.0, 5.0, 3.0 (the medians' ratio would be 300 / 80 = 3.75)
+    assert ours["added_p50_ms"] == 2.8  # rounds: 1.8, 3.6, 2.8
+
+
 @contextmanager
 def chat_server(answer: Callable[[str, str, dict], bytes]) -> Iterator[str]:
     """A local HTTP server whose POSTs are answered 200 with ``answer(path, authorization, body)`` (called
