@@ -488,9 +488,12 @@ class TrajectoryService:
             ticks += 1
             current = asyncio.current_task()
             if current is not None and current.cancelling():
-                # A cancellation (stop()) reached the tick and a library below swallowed it: seen with
-                # the queue's upkeep during shutdown, after which this loop waited a whole tick_s (an hour
-                # in a test) on a wake-up that the clear() below had already erased. Honour it here.
+                # A cancellation (stop()) reached the tick and a library below swallowed it: redis-py (8.1)
+                # sends each command under asyncio.wait_for (its default 5 s socket_timeout), which on
+                # Python 3.11 returns normally when the task is cancelled as the send completes. Seen with
+                # the queue's upkeep and the leader lock's EVAL during shutdown, after which this loop
+                # waited a whole tick_s (an hour in a test) on a wake-up that the clear() below had
+                # already erased. Honour it here.
                 log.warning("lifecycle: a cancellation was swallowed during a tick; stopping the loop")
                 raise asyncio.CancelledError
             if self._stopping:
