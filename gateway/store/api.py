@@ -917,17 +917,8 @@ class Store:
         if self._local:
             for row in created:
                 self._remember(self._sessions, row["id"], session_from_row(row))
-        if self._redis is None:
-            self._cache_committed(committed)
-            return None
-        return self._publish_committed(jobs, committed, created)
-
-    def _cache_committed(self, committed: list[tuple[Interaction, dict[str, Any]]]) -> tuple[
-            list[tuple[str, bytes]], list[tuple[Interaction, dict[str, Any]]]]:
-        """The committed turns into the process's caches: their full sequences cached, for those whose
-        parent's is at hand (returned, to publish), and the turns whose parent's is not (returned too)."""
         sequences: list[tuple[str, bytes]] = []
-        unknown: list[tuple[Interaction, dict[str, Any]]] = []
+        unknown: list[tuple[Interaction, dict[str, Any]]] = []  # turns whose parent's sequence is not here
         for it, row in committed:
             self._turns.put(it)
             if self._local:
@@ -935,17 +926,10 @@ class Store:
             parent = b"" if it.parent_id is None else self._seqs.get(it.parent_id)
             if parent is None:
                 unknown.append((it, row))
-                continue
-            packed = parent + row["prompt_ids"] + row["output_ids"]
-            self._seqs.put(it.id, packed)
-            sequences.append((it.id, packed))
-        return sequences, unknown
-
-    async def _publish_committed(self, jobs: list[Any], committed: list[tuple[Interaction, dict[str, Any]]],
-                                 created: list[dict[str, Any]]) -> None:
-        redis = self._redis
-        assert redis is not None
-        sequences, unknown = self._cache_committed(committed)
+            else:
+                sequences.append(self._extend(parent, it, row))
+        if self._redis is None:
+            return None  # the unknown ones are computed from SQL on first use
         # A conversation's next turn extends this one, not its parent, so with Redis (which holds every
         # sequence cached here, SEQ_TTL_S) the parents' copies leave this process: the cache then holds
         # about one sequence per live conversation instead of every turn of each (its bound filled in
@@ -953,6 +937,19 @@ class Store:
         for it, _ in committed:
             if it.parent_id is not None:
                 self._seqs.discard(it.parent_id)
+        return self._publish_committed(jobs, committed, created, sequences, unknown)
+
+    def _extend(self, parent: bytes, it: Interaction, row: dict[str, Any]) -> tuple[str, bytes]:
+        """Cache the full sequence of a committed turn from its parent's; returns ``(turn id, sequence)``."""
+        packed = parent + row["prompt_ids"] + row["output_ids"]
+        self._seqs.put(it.id, packed)
+        return it.id, packed
+
+    async def _publish_committed(self, jobs: list[Any], committed: list[tuple[Interaction, dict[str, Any]]],
+                                 created: list[dict[str, Any]], sequences: list[tuple[str, bytes]],
+                                 unknown: list[tuple[Interaction, dict[str, Any]]]) -> None:
+        redis = self._redis
+        assert redis is not None
         chain = [(it.session_id, it.chain_hash, it.id) for it, _ in committed]
         # Nothing is awaited before this write: the callers are answered after it is on Redis's socket, so
         # their next command on this connection (a follow-up's lookup) comes after it.
@@ -966,13 +963,8 @@ class Store:
         if not missing:
             return
         fetched = await redis.seq_get_many(missing)
-        later: list[tuple[str, bytes]] = []
-        for it, row in unknown:
-            parent = fetched.get(it.parent_id) if it.parent_id is not None else None
-            if parent is not None:
-                packed = parent + row["prompt_ids"] + row["output_ids"]
-                self._seqs.put(it.id, packed)
-                later.append((it.id, packed))
+        later = [self._extend(fetched[it.parent_id], it, row) for it, row in unknown
+                 if it.parent_id is not None and it.parent_id in fetched]
         if later:
             await redis.seq_put(later)
 

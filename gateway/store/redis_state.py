@@ -7,8 +7,8 @@ Keys (under the store's prefix, default ``agentrl:``):
   session's ``version`` (a Lua script keeps the newer copy of each), so a slow reader that fills the cache
   from an old SQL row cannot overwrite a newer status written by another replica.
 - ``chain:<session id>``: hash ``chain_hash -> interaction id``, the parent index. Written after each
-  commit, before the caller's response goes out (its reply is awaited after); a later turn with the same hash overwrites (most
-  recent wins). A miss falls back to SQL, which also refills the hash.
+  commit, before the caller's response goes out (its reply is awaited after); a later turn with the same
+  hash overwrites (most recent wins). A miss falls back to SQL, which also refills the hash.
 - ``seq:<interaction id>``: the turn's full token sequence, packed int32 (immutable, so never stale).
 
 An implicit-mode turn that continues an episode reads the gateway's episode index, the session record, the

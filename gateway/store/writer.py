@@ -5,8 +5,9 @@ to ``max_batch_rows``), checks it against the database inside one transaction (s
 parents known and in the same session, ids new), inserts the rows that pass, moves the sessions'
 ``last_activity_at``, commits, runs the after-commit hook (the process's caches) and only then resolves
 the futures; the hook's Redis publish (the index other replicas read) is written to Redis's socket before
-the callers resume, and its reply is awaited by the writer alone, before the next batch. There is no timer on the fast path: while one transaction commits, the next batch gathers,
-so batches grow with load and an idle store answers at once (``delay_s`` adds a wait if wanted).
+the callers resume, and its reply is awaited by the writer alone, before the next batch. There is no
+timer on the fast path: while one transaction commits, the next batch gathers, so batches grow with load
+and an idle store answers at once (``delay_s`` adds a wait if wanted).
 
 On SQLite the whole transaction of a batch (``BEGIN IMMEDIATE``, the checks, the inserts, the activity
 update, ``COMMIT``) is one call in the writer's own thread on its own ``sqlite3`` connection
