@@ -10,7 +10,9 @@ costs little next to the servers) for each scenario and concurrency, `--runs` ti
 - `turn 1 unique`: the same, but every request's question carries its own number (wrk's Lua counts), so no
   two prompts are equal and every one is rendered by the chat template;
 - `turn 2`, `turn 20`: the last turn of a growing 20-turn conversation (the history is recorded once
-  first, so every request is a child turn of turn 1 / turn 19: a sibling under the same parent).
+  first, so every request is a child turn of turn 1 / turn 19: a sibling under the same parent);
+- `named 20`: `turn 20` in a named session (created with `POST /v1/sessions`, its 19 turns recorded first,
+  every request sent with the session's own key): what an agent runner that creates its sessions sends.
 
     python bench/gateway_turns.py [--runs 3] [--duration 8] [--concurrency 1,32] [--profile OUT] [--base DIR]
 
@@ -86,6 +88,20 @@ def lua_unique(body: dict[str, object], auth: str | None) -> str:
              '  return wrk.format("POST", nil, headers, (string.gsub(template, "#N#", tostring(counter))))',
              "end"]
     return "\n".join(lines) + "\n"
+
+
+def named_session(url: str) -> str:
+    """Create a named session on the gateway at ``url``, record turns 1-19 of the conversation in it and
+    return its key (the ``named 20`` scenario's requests are then child turns of its turn 19)."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        created = client.post("/v1/sessions", json={"group_id": "bench-named"},
+                              headers={"Authorization": f"Bearer {ADMIN}"})
+        created.raise_for_status()
+        key = created.json()["api_key"]
+        for turn in range(1, 20):
+            resp = client.post("/v1/chat/completions", json=chat_body(turn), headers={"Authorization": f"Bearer {key}"})
+            resp.raise_for_status()
+    return key
 
 
 def cpu_seconds(pid: int | None) -> float:
@@ -214,7 +230,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="wrk runs per scenario and concurrency (0: profile only)")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per wrk run")
     parser.add_argument("--concurrency", default="1,32")
-    parser.add_argument("--scenarios", default="upstream,turn 1,turn 2,turn 20")
+    parser.add_argument("--scenarios", default="upstream,turn 1,turn 2,turn 20",
+                        help="of upstream, turn 1, turn 1 unique, turn 2, turn 20, named 20")
     parser.add_argument("--profile", default=None, help="write py-spy raw stacks here and print phase shares")
     parser.add_argument("--profile-scenario", default="turn 20")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, database)")
@@ -269,6 +286,8 @@ def main() -> int:
                     resp = client.post("/v1/chat/completions", json=chat_body(turn))
                     resp.raise_for_status()
                     assert resp.json()["choices"][0]["message"]["content"] == REPLY
+        session_keys = {label: named_session(url) for label, url in gateways.items()} \
+            if any(s.startswith("named") for s in scenarios) else {}
         gw = procs_by_name[""]
         from transformers import AutoTokenizer
 
@@ -286,6 +305,9 @@ def main() -> int:
             unique["messages"] = [SYSTEM, {"role": "user", "content": "Question number #N#: what is 5 plus 7?"}]
             targets[f"{label}turn 1 unique"] = (url + "/v1/chat/completions", unique, AGENT)
             pids[f"{label}turn 1 unique"] = procs_by_name[label].proc.pid
+            if label in session_keys:
+                targets[f"{label}named 20"] = (url + "/v1/chat/completions", chat_body(20), session_keys[label])
+                pids[f"{label}named 20"] = procs_by_name[label].proc.pid
         scenarios = [s for s in scenarios if s == "upstream"] + [
             f"{label}{s}" for s in scenarios if s != "upstream" for label in gateways]
         scripts = {}

@@ -53,10 +53,19 @@ from gateway.store import errors as store_errors
 Role = Literal["admin", "runner", "agent", "session"]
 
 
+@dataclass(frozen=True, slots=True)
+class KeyedSession:
+    """A session known by its key and id only: its record is read with the turn's first Redis round trip
+    (``GenerationService``), not before (see :func:`authenticate`'s ``defer``)."""
+
+    id: str
+    api_key: str
+
+
 @dataclass(slots=True)
 class Caller:
     role: Role
-    session: SessionRecord | None = None  # the session whose key was used (role "session")
+    session: SessionRecord | KeyedSession | None = None  # the session whose key was used (role "session")
     owner: str | None = None  # agent keys: a fingerprint recorded in the implicit sessions they create
 
 
@@ -88,7 +97,14 @@ def _matches(key: str, candidates: Sequence[str]) -> bool:
     return found
 
 
-async def authenticate(request: Request, settings: GatewaySettings, store: Store) -> Caller:
+async def authenticate(request: Request, settings: GatewaySettings, store: Store, *,
+                       defer: bool = False) -> Caller:
+    """The caller of ``request``; 401 for a missing or unknown key.
+
+    ``defer`` (the generation routes): a session key this process has resolved before is answered from
+    memory as a :class:`KeyedSession`, and the session's record comes with the turn's in-flight marker in
+    one Redis round trip instead of one before it (a key stays its session's for good, so the key is as
+    valid as it was; the record, its status above all, is read fresh with the marker)."""
     key = bearer(request)
     if _matches(key, [settings.admin_key]):
         return Caller("admin", owner="admin")
@@ -96,6 +112,10 @@ async def authenticate(request: Request, settings: GatewaySettings, store: Store
         return Caller("runner", owner="runner")
     if settings.agent_key and _matches(key, settings.agent_key):
         return Caller("agent", owner=key_owner(key))
+    if defer:
+        session_id = store.known_session_id(api_key=key)
+        if session_id is not None:
+            return Caller("session", KeyedSession(session_id, key))
     try:
         session = await store.get_session_by_key(api_key=key)
     except store_errors.NotFound:
@@ -125,8 +145,10 @@ async def load_session(store: Store, session_id: str) -> SessionRecord:
         raise from_store_error(exc) from exc
 
 
-async def session_for(caller: Caller, url_session_id: str | None, store: Store) -> SessionRecord | None:
-    """The session a generation request is bound to; None means implicit mode."""
+async def session_for(caller: Caller, url_session_id: str | None, store: Store
+                      ) -> SessionRecord | KeyedSession | None:
+    """The session a generation request is bound to; None means implicit mode (a :class:`KeyedSession`
+    from a deferred session key)."""
     if caller.role == "session":
         assert caller.session is not None
         if url_session_id is not None and url_session_id != caller.session.id:

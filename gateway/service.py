@@ -42,7 +42,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gateway.binding import group_of_root
+from gateway.binding import KeyedSession, group_of_root
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.normalize import canonical_json, chain_hashes, extend_chain, validate_messages
 from gateway.constraints import check_grammar, grammar_of, penalties, penalties_json, refuse_unenforced
@@ -50,6 +50,7 @@ from gateway.context import Services
 from gateway.decoding import ChoiceDecoder, ChoiceResult, StreamDelta
 from gateway.engine_client import Generation, SamplingParams
 from gateway.errors import (
+    AuthenticationFailed,
     Conflict,
     ContextLengthExceeded,
     GatewayError,
@@ -169,7 +170,7 @@ class GenerationService:
         if inflight is not None and session is not None:
             await turn.hold(inflight.track(session.id))
 
-    async def _track_planned(self, turn: Turn, given: SessionRecord | None, plan: TurnPlan) -> None:
+    async def _track_planned(self, turn: Turn, given: SessionRecord | KeyedSession | None, plan: TurnPlan) -> None:
         """Also track the session planning found (an implicit-mode continuation), unless its marker was
         added with the lookup that found it."""
         if plan.session is not None and not plan.tracked and (given is None or plan.session.id != given.id):
@@ -220,21 +221,41 @@ class GenerationService:
                 inflight.discard(hit.session_id, marker.member)
         return dataclasses.replace(hit, record=record) if continued else None
 
-    async def _named(self, turn: Turn, session: SessionRecord, hashes: list[str]) -> Continued | None:
-        """Track a turn of a named session (session key or URL); with Redis and a parent to look for, its
-        in-flight marker and the parent index's entry come in one round trip (``plan.tracked``)."""
+    async def _resolve(self, session: SessionRecord | KeyedSession | None) -> SessionRecord | None:
+        """The record of a session known by its key only (``gateway.binding.authenticate``'s ``defer``)."""
+        if not isinstance(session, KeyedSession):
+            return session
+        try:
+            return await self.svc.store.get_session_by_key(api_key=session.api_key)
+        except store_errors.NotFound:
+            raise AuthenticationFailed("invalid API key") from None
+        except store_errors.StoreError as exc:
+            raise from_store_error(exc) from exc
+
+    async def _named(self, turn: Turn, session: SessionRecord | KeyedSession, hashes: list[str]) -> Continued | None:
+        """Track a turn of a named session (session key or URL). With Redis its in-flight marker, the parent
+        index's entry for the longest candidate (``hashes[0]``; none for a first turn) and, for a session
+        known by its key only, the session's record come in one round trip (``plan.tracked``); the result
+        carries the record. Without Redis: the marker alone, and None (or, for a :class:`KeyedSession`,
+        which only an app without the lifecycle meets there, its record read from the store)."""
         inflight = getattr(self.svc.app_state, "inflight", None)
-        marker = inflight.marker() if inflight is not None and hashes else None
+        marker = inflight.marker() if inflight is not None else None
         hit = None
         if marker is not None:
+            known = session if isinstance(session, SessionRecord) else None
             try:
-                hit = await self.svc.store.mark_session(session=session, longest_hash=hashes[0], marker=marker)
+                hit = await self.svc.store.mark_session(session_id=session.id, longest_hash=hashes[0] if hashes else None,
+                                                        marker=marker, record=known)
             except store_errors.StoreError as exc:
                 raise from_store_error(exc) from exc
-        if hit is None:  # no Redis, or nothing to look up (a first turn): the marker alone
-            await self._track(turn, session)
-            return None
-        await turn.hold(inflight.adopt(session.id, marker.member))
+        if hit is None:  # no Redis
+            record = await self._resolve(session)
+            assert record is not None
+            await self._track(turn, record)
+            return Continued(record.id, record, None, False) if record is not session else None
+        await turn.hold(inflight.adopt(session.id, marker.member))  # held first: a 401 below removes it
+        if hit.record is None:  # not cached in Redis: read (and cached) by key, 401 if the key is unknown
+            hit = dataclasses.replace(hit, record=await self._resolve(session))
         return hit
 
     def _refuse_surely_too_long(self, messages: Any, tools: Any) -> int:
@@ -250,7 +271,7 @@ class GenerationService:
                 param="messages")
         return chars
 
-    async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | None,
+    async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | KeyedSession | None,
                         turn: Turn) -> TurnPlan:
         started = time.perf_counter()
         try:
@@ -270,7 +291,7 @@ class GenerationService:
         if lookup is not None and candidates and self.svc.store.redis is not None:
             lookup, ahead = await self._ahead(lookup, messages, candidates[0][0], req.tools or None, chars)
         continued = await lookup if lookup is not None else None
-        if implicit and continued is not None:
+        if continued is not None:  # the implicit episode found, or the named session's record as just read
             session = continued.record
         if session is not None and session.status != "active":
             raise Conflict(f"session {session.id} is {session.status}; it takes no more turns",
@@ -503,7 +524,7 @@ class GenerationService:
         return chain
 
     async def _prepare(self, turn: Turn, req: ChatCompletionRequest | CompletionRequest,
-                       session: SessionRecord | None, id_prefix: str | None, meta: dict[str, Any] | None
+                       session: SessionRecord | KeyedSession | None, id_prefix: str | None, meta: dict[str, Any] | None
                        ) -> tuple[TurnPlan, SamplingParams, list[ChoiceRun], Callable[[ChoiceRun], str]]:
         """Track, plan and size a turn: its plan, sampling parameters, choices and chain-hash function."""
         refuse_unenforced(req)
@@ -515,6 +536,7 @@ class GenerationService:
             top, parse_tools, chain = (req.top_logprobs or 0) if req.logprobs else 0, req.wants_tools, \
                 self._chat_chain(plan)
         else:
+            session = await self._resolve(session)
             await self._track(turn, session)
             plan = await self.plan_completion(req, session)
             top, parse_tools, chain = req.logprobs or 0, False, self._completion_chain(plan)
@@ -528,7 +550,7 @@ class GenerationService:
         prefix = id_prefix or ("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
         return plan, params, self._choices(req, prefix, parse_tools), chain
 
-    async def run_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | None, *,
+    async def run_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | KeyedSession | None, *,
                        id_prefix: str | None = None, meta: dict[str, Any] | None = None
                        ) -> tuple[TurnPlan, list[ChoiceRun]]:
         """The conversation core, whatever wire format the request came in: plan, generate every choice,
@@ -540,7 +562,7 @@ class GenerationService:
             await self._record(plan, runs, chain, turn)
         return plan, runs
 
-    async def stream_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | None, *,
+    async def stream_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | KeyedSession | None, *,
                           id_prefix: str | None = None, meta: dict[str, Any] | None = None
                           ) -> tuple[TurnPlan, list[ChoiceRun], AsyncIterator[TurnEvent]]:
         """The streaming conversation core: plan and start generating (errors before the first engine

@@ -120,6 +120,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def caller(request: Request) -> Caller:
+async def caller(request: Request, *, defer: bool = False) -> Caller:
+    """The caller of ``request`` (401 for a missing or unknown key). ``defer``: the generation routes, which
+    may take a session key as a ``KeyedSession`` whose record comes with the turn (``authenticate``)."""
     svc = services(request)
-    return await authenticate(request, svc.settings, svc.store)
+    return await authenticate(request, svc.settings, svc.store, defer=defer)

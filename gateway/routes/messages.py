@@ -28,7 +28,7 @@ router = APIRouter()
 @direct
 async def create_message(request: Request) -> Response:
     svc = services(request)
-    who = await caller(request)
+    who = await caller(request, defer=True)
     req = await read_json(request, fmt.MessagesRequest)
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
     conv = fmt.to_conversation(req, svc.settings.unsupported_tools == "reject")

@@ -25,7 +25,8 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
     """Parse, bind the caller's session, run the conversation core and render its result (``plain``) or
     its events (``stream``) in the chat / text completion format."""
     svc = services(request)
-    who = await caller(request)
+    who = await caller(request, defer=model is ChatCompletionRequest)  # a chat turn reads a session key's
+    #                                                                   record with its first Redis call
     req = await read_json(request, model)
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
     if isinstance(req, CompletionRequest) and len(req.prompts) > 1:

@@ -27,7 +27,7 @@ router = APIRouter()
 @direct
 async def create_response(request: Request) -> Response:
     svc = services(request)
-    who = await caller(request)
+    who = await caller(request, defer=True)
     req = await read_json(request, fmt.ResponsesRequest)
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
     history: list[dict[str, Any]] = []

@@ -176,6 +176,8 @@ class Store:
         self._local = redis is None
         self._sessions: OrderedDict[str, SessionRecord] = OrderedDict()
         self._chains: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # api key hash -> session id, for the keys this process resolved (``known_session_id``)
+        self._key_sessions: OrderedDict[str, str] = OrderedDict()
         self._local_entries = max(1024, 64 * turn_cache_size)
         # PostgreSQL: callers wait their turn for the pool's connections instead of failing after its
         # 30 s timeout; a few connections stay outside the gate for background users of ``engine``
@@ -284,6 +286,9 @@ class Store:
         if self._local:
             out += [CacheSize("sessions", len(self._sessions), len(self._sessions), self._local_entries),
                     CacheSize("chain_index", len(self._chains), len(self._chains), self._local_entries)]
+        else:
+            out.append(CacheSize("session_keys", len(self._key_sessions), len(self._key_sessions),
+                                 self._local_entries))
         return out
 
     async def close(self) -> None:
@@ -404,6 +409,7 @@ class Store:
             if self._local:
                 self._remember(self._sessions, row["id"], session_from_row(row))
             if self._redis is not None:
+                self._remember(self._key_sessions, row["key_hash"], row["id"])
                 await self._redis.put_session(row["key_hash"], session_from_row(row))
             out.append(session_from_row(row, api_key=api_key))
         return out
@@ -555,6 +561,7 @@ class Store:
         if self._redis is not None:
             cached = await self._redis.get_session(key_hash)
             if cached is not None:
+                self._remember(self._key_sessions, key_hash, cached.id)
                 return cached
         if self._sqlite_writer is not None:
             # every turn of a named session on SQLite reads its record here: on the writer's own sqlite3
@@ -568,6 +575,7 @@ class Store:
             raise NotFound("no session has this api key")
         record = session_from_row(row)
         if self._redis is not None:
+            self._remember(self._key_sessions, key_hash, record.id)
             await self._redis.put_session(key_hash, record)
         return record
 
@@ -740,17 +748,33 @@ class Store:
         except RedisError as exc:
             raise StoreUnavailable(f"Redis failed: {exc}") from exc
 
-    async def mark_session(self, *, session: SessionRecord, longest_hash: str, marker: Marker) -> Continued | None:
-        """With Redis, one round trip for a turn of a named session: add its in-flight ``marker`` and read
-        the parent index's entry for ``longest_hash`` (give the result to :meth:`find_parent` as
-        ``indexed``). None without Redis. Raises StoreUnavailable when Redis fails."""
+    async def mark_session(self, *, session_id: str, longest_hash: str | None, marker: Marker,
+                           record: SessionRecord | None = None) -> Continued | None:
+        """With Redis, one round trip for a turn of a named session: add its in-flight ``marker``, read the
+        parent index's entry for ``longest_hash`` (None: a first turn; give the result to :meth:`find_parent`
+        as ``indexed``) and, unless its ``record`` is given, the session's cached record (``Continued.record``
+        is None when it is not cached: read it with :meth:`get_session_by_key`). None without Redis. Raises
+        StoreUnavailable when Redis fails."""
         if self._redis is None:
             return None
         try:
-            parent = await self._redis.mark_and_find(session.id, longest_hash, marker)
+            cached, parent = await self._redis.mark_session(session_id, longest_hash, marker,
+                                                            read_record=record is None)
         except RedisError as exc:
             raise StoreUnavailable(f"Redis failed (in-flight marker): {exc}") from exc
-        return Continued(session.id, session, parent, True)
+        return Continued(session_id, record or cached, parent, True)
+
+    def known_session_id(self, *, api_key: str) -> str | None:
+        """The id of the session whose api key this is, if this process has resolved that key before (a key
+        never moves to another session and sessions are never deleted, so the pair stays true); None
+        otherwise, and always without Redis (where nothing would read the record in the same round trip)."""
+        if self._redis is None:
+            return None
+        key_hash = hash_key(api_key)
+        session_id = self._key_sessions.get(key_hash)
+        if session_id is not None:
+            self._key_sessions.move_to_end(key_hash)
+        return session_id
 
     async def find_parent(
         self, *, session_id: str, candidates: Sequence[tuple[int, str]], indexed: Continued | None = None

@@ -211,16 +211,24 @@ class RedisState:
         record = SessionRecord(**json.loads(raw)) if raw is not None else None
         return Continued(str(_text(sid)), record, _text(parent), bool(marked))
 
-    async def mark_and_find(self, session_id: str, longest_hash: str, marker: Marker) -> str | None:
-        """A named session's turn, in one round trip: add its in-flight ``marker`` and read the parent
-        index's entry for the longest candidate (None: not indexed). Raises ``RedisError``."""
+    async def mark_session(self, session_id: str, longest_hash: str | None, marker: Marker, *,
+                           read_record: bool) -> tuple[SessionRecord | None, str | None]:
+        """A named session's turn, in one round trip: add its in-flight ``marker``, read the parent index's
+        entry for the longest candidate (``longest_hash``; None: a first turn, nothing to read) and, with
+        ``read_record``, the session's cached record. Returns (record or None: not cached or not read,
+        parent or None: not indexed). Raises ``RedisError``."""
         key = marker.key_prefix + session_id
         pipe = self.hot.pipeline(transaction=False)
+        if read_record:
+            pipe.hget(f"{self.prefix}sid:{session_id}", "d")
         pipe.zadd(key, {marker.member: marker.expiry})
         pipe.expire(key, marker.key_ttl_s)
-        pipe.hget(f"{self.prefix}chain:{session_id}", longest_hash)
-        _, _, parent = await pipe.execute()
-        return _text(parent)
+        if longest_hash is not None:
+            pipe.hget(f"{self.prefix}chain:{session_id}", longest_hash)
+        replies = await pipe.execute()
+        raw = replies[0] if read_record else None
+        record = SessionRecord(**json.loads(raw)) if raw is not None else None
+        return record, (_text(replies[-1]) if longest_hash is not None else None)
 
     # ---- chain-hash index ----
     async def chain_lookup(self, session_id: str, hashes: Sequence[str]) -> list[str | None]:

@@ -565,31 +565,75 @@ async def test_a_follow_up_the_store_refuses_still_takes_its_marker_back(make_gw
         assert not await gw.app.state.inflight.busy([t1.session_id])
 
 
-async def test_a_named_sessions_follow_up_marks_and_finds_its_parent_in_one_redis_round_trip(
+async def test_a_named_sessions_turn_reads_its_session_marks_and_finds_its_parent_in_one_redis_round_trip(
         make_gw: Any, redis_prefix: str) -> None:
-    """A session key's follow-up: after the key's session (its cached record), its in-flight marker and its
-    parent index entry in one pipeline before the engine call (they were two round trips); a finished
-    session's turn is refused and leaves no marker."""
-    async with make_gw(["a", "b"], redis=REDIS_URL, redis_prefix=redis_prefix, tick_s=3600) as gw:
+    """A session key this gateway has seen: a turn's session record, its in-flight marker and (for a
+    follow-up) its parent index entry come in one pipeline before the engine call (they were two round
+    trips: the key's record, then the rest); a key it has not seen is looked up first, as before. A
+    finished session's turn is refused and leaves no marker."""
+    async with make_gw(["a", "b", "c", "d"], redis=REDIS_URL, redis_prefix=redis_prefix, tick_s=3600) as gw:
         sess = await gw.session()
         client = gw.sdk(key=sess["api_key"])
         msgs = [{"role": "user", "content": "hi"}]
-        first = await client.chat.completions.create(model="m", messages=msgs, max_tokens=5)
-        follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
         sent = record_redis_and_engine(gw)
+        first = await client.chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        await gw.app.state.inflight.settle()
+        assert sent[:2] == ["HGET+ZADD+EXPIRE", "engine"]  # a first turn: no parent to look up
+        assert len(sent) == 3 and sent[-1].endswith("+ZREM")  # the publish takes the marker with it
+        follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
+        sent.clear()
         second = await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
         await gw.app.state.inflight.settle()
-        assert sent[:3] == ["HGET", "ZADD+EXPIRE+HGET", "engine"]  # the key's session, ...
-        assert len(sent) == 4 and sent[-1].endswith("+ZREM")  # ... and the publish takes the marker with it
+        assert sent[:2] == ["HGET+ZADD+EXPIRE+HGET", "engine"] and len(sent) == 3 and sent[-1].endswith("+ZREM")
         t1, t2 = [await gw.store.get_interaction(interaction_id=r.id) for r in (first, second)]
         assert t2.parent_id == t1.id and t2.session_id == sess["session_id"]
         assert not await gw.app.state.inflight.busy([sess["session_id"]])
 
+        gw.store._key_sessions.clear()  # as in another replica, or after a restart: the key is looked up first
+        sent.clear()
+        third = await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
+        await gw.app.state.inflight.settle()
+        assert sent[:2] == ["HGET", "ZADD+EXPIRE+HGET"] and "engine" in sent  # the record from the key's lookup
+        assert (await gw.store.get_interaction(interaction_id=third.id)).parent_id == t1.id
+
         assert (await gw.post(f"/v1/sessions/{sess['session_id']}/finish", {}, key=ADMIN)).status_code == 200
-        with pytest.raises(openai.ConflictError):
-            await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
+        for _ in range(2):  # read with the marker (the key is known again), and after the record left Redis
+            with pytest.raises(openai.ConflictError):
+                await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
+            await gw.app.state.inflight.settle()
+            assert await gw.store.redis.zcard(f"{redis_prefix}inflight:{sess['session_id']}") == 0
+            await gw.store.redis.delete(f"{redis_prefix}sid:{sess['session_id']}",
+                                        *await gw.store.redis.keys(f"{redis_prefix}skey:*"))
+
+
+async def test_a_known_session_key_whose_record_left_redis_is_read_from_sql(make_gw: Any, redis_prefix: str) -> None:
+    """The record of a session key this gateway has seen is read with the turn's marker; when Redis no longer
+    has it (expired, evicted, a Redis restart) the key is looked up in SQL, the turn goes on and the record is
+    cached again. A wrong key is still a 401, and a session key on another session's URL a 403, whatever
+    this gateway has seen."""
+    async with make_gw(["a", "b"], redis=REDIS_URL, redis_prefix=redis_prefix, tick_s=3600) as gw:
+        sess, other = await gw.session(), await gw.session()
+        client = gw.sdk(key=sess["api_key"])
+        msgs = [{"role": "user", "content": "hi"}]
+        first = await client.chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        await gw.store.redis.delete(f"{redis_prefix}sid:{sess['session_id']}",
+                                    *await gw.store.redis.keys(f"{redis_prefix}skey:*"))
+        follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
+        second = await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
+        t2 = await gw.store.get_interaction(interaction_id=second.id)
+        assert t2.parent_id == first.id and t2.session_id == sess["session_id"]
+        assert await gw.store.redis.hget(f"{redis_prefix}sid:{sess['session_id']}", "d") is not None
         await gw.app.state.inflight.settle()
         assert await gw.store.redis.zcard(f"{redis_prefix}inflight:{sess['session_id']}") == 0
+
+        with pytest.raises(openai.AuthenticationError):
+            await gw.sdk(key=sess["api_key"] + "x").chat.completions.create(model="m", messages=msgs, max_tokens=5)
+        foreign = await gw.post(f"/sessions/{other['session_id']}/v1/chat/completions",
+                                {"model": "m", "messages": msgs, "max_tokens": 5}, key=sess["api_key"])
+        assert foreign.status_code == 403 and foreign.json()["error"]["code"] == "foreign_session"
+        assert await gw.store.redis.zcard(f"{redis_prefix}inflight:{other['session_id']}") == 0
+        assert [t.id for t in await gw.store.session_interactions(session_id=sess["session_id"])] == \
+            [first.id, second.id]
 
 
 async def test_rewards(make_gw: Any) -> None:
