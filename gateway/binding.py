@@ -116,13 +116,17 @@ async def authenticate(request: Request, settings: GatewaySettings, store: Store
         session_id = store.known_session_id(api_key=key)
         if session_id is not None:
             return Caller("session", KeyedSession(session_id, key))
+    return Caller("session", await session_of_key(store, key))
+
+
+async def session_of_key(store: Store, key: str) -> SessionRecord:
+    """The session whose api key ``key`` is: 401 if there is none."""
     try:
-        session = await store.get_session_by_key(api_key=key)
+        return await store.get_session_by_key(api_key=key)
     except store_errors.NotFound:
         raise AuthenticationFailed("invalid API key") from None
     except store_errors.StoreError as exc:
         raise from_store_error(exc) from exc
-    return Caller("session", session)
 
 
 def require_admin(caller: Caller) -> None:

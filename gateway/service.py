@@ -42,7 +42,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gateway.binding import KeyedSession, group_of_root
+from gateway.binding import KeyedSession, group_of_root, session_of_key
 from gateway.chat.errors import ChatFormatError, TemplateDriftError
 from gateway.chat.normalize import canonical_json, chain_hashes, extend_chain, validate_messages
 from gateway.constraints import check_grammar, grammar_of, penalties, penalties_json, refuse_unenforced
@@ -50,7 +50,6 @@ from gateway.context import Services
 from gateway.decoding import ChoiceDecoder, ChoiceResult, StreamDelta
 from gateway.engine_client import Generation, SamplingParams
 from gateway.errors import (
-    AuthenticationFailed,
     Conflict,
     ContextLengthExceeded,
     GatewayError,
@@ -225,12 +224,7 @@ class GenerationService:
         """The record of a session known by its key only (``gateway.binding.authenticate``'s ``defer``)."""
         if not isinstance(session, KeyedSession):
             return session
-        try:
-            return await self.svc.store.get_session_by_key(api_key=session.api_key)
-        except store_errors.NotFound:
-            raise AuthenticationFailed("invalid API key") from None
-        except store_errors.StoreError as exc:
-            raise from_store_error(exc) from exc
+        return await session_of_key(self.svc.store, session.api_key)
 
     async def _named(self, turn: Turn, session: SessionRecord | KeyedSession, hashes: list[str]) -> Continued | None:
         """Track a turn of a named session (session key or URL). With Redis its in-flight marker, the parent
