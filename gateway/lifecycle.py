@@ -553,7 +553,7 @@ class TrajectoryService:
         live = await self.store.lifecycle_sessions(idle_before=now - self.settings.idle_timeout_s,
                                                    timeout_before=now - self.settings.group_timeout_s)
         busy = await self.inflight.busy([s.id for s in live])
-        live = [await self._maybe_finish_idle(s, now, busy) for s in live]
+        live = await self._finish_idle(live, now, busy)
         groups: dict[str, list[SessionRecord]] = defaultdict(list)
         for s in live:
             if not s.is_eval:
@@ -567,11 +567,15 @@ class TrajectoryService:
         # Groups are independent: overlap their store round trips (bounded, to leave the pool to requests).
         gate = asyncio.Semaphore(self.EXPORT_CONCURRENCY)
 
+        timed_out: list[tuple[list[SessionRecord], GroupRecord | None]] = []
+
         async def consider(chunk: list[SessionRecord], size: int, row: GroupRecord | None) -> None:
             async with gate:
-                await self._consider(chunk, size, row, now, busy)
+                if await self._consider(chunk, size, row, now, busy):
+                    timed_out.append((chunk, row))
 
         await asyncio.gather(*(consider(chunk, size, row) for chunk, size, row in chunks))
+        await self._time_out(timed_out, busy)
         if upkeep:
             await self._close_deserted(now)
             await self._upkeep()
@@ -589,52 +593,61 @@ class TrajectoryService:
         if unused:
             await self.staleness.release(unused)
 
-    async def _maybe_finish_idle(self, s: SessionRecord, now: float, busy: set[str]) -> SessionRecord:
-        if s.status != "active" or now - s.last_activity_at < self.settings.idle_timeout_s or s.id in busy:
-            return s
-        if not await self._rewarded(s):
-            return s
-        try:
-            done = await self.store.finish_session(session_id=s.id)
-        except store_errors.NotFound:
-            return s
-        self.stats.idle_finished += 1
-        return done
-
-    async def _rewarded(self, s: SessionRecord) -> bool:
-        # Not remembered: a session found rewarded here is finished at once, so a set of them only grew
-        # (one id per idle-finished session, for the life of the process).
-        return s.reward is not None or bool(await self.store.reward_history(session_id=s.id))
+    async def _finish_idle(self, live: list[SessionRecord], now: float, busy: set[str]) -> list[SessionRecord]:
+        """``live`` with its active sessions idle past the idle timeout, rewarded and not in flight, finished
+        (in batches: ``Store.move_sessions``)."""
+        idle = [s for s in live if s.status == "active" and now - s.last_activity_at >= self.settings.idle_timeout_s
+                and s.id not in busy]
+        # Not remembered between ticks: a session found rewarded here is finished at once, so a set of them
+        # only grew (one id per idle-finished session, for the life of the process).
+        rewarded = {s.id for s in idle if s.reward is not None}
+        rewarded |= await self.store.rewarded(session_ids=[s.id for s in idle if s.reward is None])
+        if not rewarded:
+            return live
+        done = {s.id: s for s in await self.store.move_sessions(session_ids=[s.id for s in idle if s.id in rewarded],
+                                                                 status="finished", expected=["active"])}
+        self.stats.idle_finished += len(done)
+        return [done.get(s.id, s) for s in live]
 
     async def _consider(self, chunk: list[SessionRecord], size: int, row: GroupRecord | None, now: float,
-                        busy: set[str]) -> None:
+                        busy: set[str]) -> bool:
+        """Export the chunk if it is ready; True if it has timed out instead (for :meth:`_time_out`)."""
         ready = [s for s in chunk if s.status == "finished" and s.id not in busy]
         if len(chunk) == size and len(ready) == size:
             await self._export(ready, complete=True)
-            return
+            return False
         # An admitted group that no session can join any more goes as soon as its live sessions are done:
         # a session abandoned early never holds the others back.
         if row is not None and row.sealed and ready and len(ready) == len(chunk):
             await self._export(ready, complete=False)
-            return
+            return False
         last_activity = max(max(s.last_activity_at, s.finished_at or 0.0, s.created_at) for s in chunk)
-        if now - last_activity < self.settings.group_timeout_s:
+        return now - last_activity >= self.settings.group_timeout_s
+
+    async def _time_out(self, chunks: list[tuple[list[SessionRecord], GroupRecord | None]], busy: set[str]) -> None:
+        """Groups idle past the group timeout: their active sessions not in flight are abandoned (all of
+        this tick's at once, ``Store.move_sessions``: a session that finished meanwhile is left for the next
+        tick), the places their groups reserved and never used are given back with the abandoned sessions'
+        (one release), and what finished is exported as a partial group."""
+        if not chunks:
             return
-        abandoned = 0
-        for s in chunk:
-            if s.status == "active" and s.id not in busy:
-                try:
-                    await self.store.set_session_status(session_id=s.id, status="abandoned", expected=["active"])
-                    abandoned += 1
-                except (store_errors.Conflict, store_errors.NotFound):
-                    pass  # it finished (or vanished) meanwhile; the next tick sees it
-        # places reserved and never used are given back with the group
-        unused = await self.store.close_group(group_id=row.id, status="closed") if row is not None else 0
+        stuck = [s.id for chunk, _ in chunks for s in chunk if s.status == "active" and s.id not in busy]
+        abandoned = len(await self.store.move_sessions(session_ids=stuck, status="abandoned", expected=["active"]))
+        unused = 0
+        for _, row in chunks:
+            if row is not None:
+                unused += await self.store.close_group(group_id=row.id, status="closed")
         if abandoned or unused:
             self.stats.sessions_abandoned += abandoned
             await self.staleness.release(abandoned + unused)
-        if ready:
-            await self._export(ready, complete=False)
+        gate = asyncio.Semaphore(self.EXPORT_CONCURRENCY)
+
+        async def export(ready: list[SessionRecord]) -> None:
+            async with gate:
+                await self._export(ready, complete=False)
+
+        await asyncio.gather(*(export(ready) for chunk, _ in chunks
+                               if (ready := [s for s in chunk if s.status == "finished" and s.id not in busy])))
 
     async def _export(self, sessions: list[SessionRecord], *, complete: bool) -> None:
         """Export a group at least once: its rows are built from the sessions as read, then the sessions

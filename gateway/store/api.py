@@ -143,6 +143,7 @@ def _sqlite_session_row(conn: sqlite3.Connection, key_hash: str) -> dict[str, An
 
 
 FIND_BY_CHAIN_ROWS = 64  # find_session_by_chain reads at most this many of the newest matching turns
+MOVE_BATCH = 500  # sessions per transaction in Store.move_sessions
 
 
 class Store:
@@ -628,10 +629,47 @@ class Store:
             values = _status_change(row, status)
             await conn.execute(sa.update(s).where(s.c.id == session_id).values(**values))
         updated = session_from_row({**row, **values})
-        self._sessions.pop(session_id, None)
-        if self._redis is not None:
-            await self._redis.put_session(row["key_hash"], updated)
+        await self._recache([(row["key_hash"], updated)])
         return updated
+
+    async def move_sessions(
+        self, *, session_ids: Sequence[str], status: SessionStatus, expected: Collection[str],
+    ) -> list[SessionRecord]:
+        """Move each of ``session_ids`` that is currently in ``expected`` to ``status``, each on its own
+        (one in another status, or unknown, is left as it is: unlike :meth:`claim_sessions`, not all or
+        none), ``MOVE_BATCH`` sessions per transaction and one ``UPDATE`` each; the records moved. For the
+        lifecycle, which abandons or finishes many sessions at a time: one transaction per session cost
+        more than the turns that made them (a single-turn agent leaves one session per request)."""
+        if status not in SESSION_STATUSES:
+            raise InvalidValue(f"unknown session status {status!r}; valid: {', '.join(SESSION_STATUSES)}")
+        s = schema.sessions
+        ids = list(dict.fromkeys(session_ids))
+        moved: list[tuple[str, SessionRecord]] = []
+        for start in range(0, len(ids), MOVE_BATCH):
+            part = ids[start:start + MOVE_BATCH]
+            now = time.time()
+            async with self._write_tx() as conn:
+                query = sa.select(s).where(s.c.id.in_(part), s.c.status.in_(list(expected))).order_by(s.c.id)
+                if not self._is_sqlite:
+                    query = query.with_for_update()
+                rows = (await conn.execute(query)).mappings().all()
+                if not rows:
+                    continue
+                values: dict[str, Any] = {"status": status, "version": s.c.version + 1}
+                if status == "finished":
+                    values["finished_at"] = sa.func.coalesce(s.c.finished_at, now)
+                await conn.execute(sa.update(s).where(s.c.id.in_([row["id"] for row in rows])).values(**values))
+            moved += [(row["key_hash"], session_from_row({**row, **_status_change(row, status, now)})) for row in rows]
+        await self._recache(moved)
+        return [record for _, record in moved]
+
+    async def _recache(self, changed: Sequence[tuple[str, SessionRecord]]) -> None:
+        """Sessions whose row just changed (``(key hash, record)``): out of the process cache, and into
+        Redis's (one round trip for all of them)."""
+        for _, record in changed:
+            self._sessions.pop(record.id, None)
+        if self._redis is not None and changed:
+            await self._redis.put_sessions(changed)
 
     async def claim_sessions(
         self, *, session_ids: Sequence[str], status: SessionStatus, expected: Collection[str],
@@ -670,11 +708,7 @@ class Store:
                 updated.append((row["key_hash"], session_from_row({**row, **values})))
             if then is not None:
                 await then(conn)
-        for _, record in updated:
-            self._sessions.pop(record.id, None)
-        if self._redis is not None:
-            for key_hash, record in updated:
-                await self._redis.put_session(key_hash, record)
+        await self._recache(updated)
         return [record for _, record in updated]
 
     async def list_sessions(
@@ -711,12 +745,10 @@ class Store:
         full list would be. (Idle sessions that wait for a reward are left out until their group times
         out: they used to be selected, with their whole group, on every tick.)"""
         s = schema.sessions
-        r = schema.reward_events
-        rewarded = sa.or_(s.c.reward.is_not(None), sa.exists(sa.select(r.c.id).where(r.c.session_id == s.c.id)))
         hot = sa.select(s.c.group_id).where(sa.or_(
             s.c.status == "finished",
             sa.and_(s.c.status == "active", s.c.last_activity_at <= timeout_before),
-            sa.and_(s.c.status == "active", s.c.last_activity_at <= idle_before, rewarded)))
+            sa.and_(s.c.status == "active", s.c.last_activity_at <= idle_before, _is_rewarded())))
         query = (sa.select(s).where(s.c.status.in_(("active", "finished")), s.c.group_id.in_(hot))
                  .order_by(s.c.created_at, s.c.id))
         async with self._read() as conn:
@@ -1114,6 +1146,18 @@ class Store:
             created_at=now,
         )
 
+    async def rewarded(self, *, session_ids: Collection[str]) -> set[str]:
+        """The ids among ``session_ids`` with a session reward or any reward event (a query per
+        ``MOVE_BATCH`` ids)."""
+        ids = list(set(session_ids))
+        s = schema.sessions
+        found: set[str] = set()
+        for start in range(0, len(ids), MOVE_BATCH):
+            query = sa.select(s.c.id).where(s.c.id.in_(ids[start:start + MOVE_BATCH]), _is_rewarded())
+            async with self._read() as conn:
+                found.update(row[0] for row in (await conn.execute(query)).all())
+        return found
+
     async def reward_history(
         self, *, session_id: str | None = None, interaction_id: str | None = None
     ) -> list[RewardRecord]:
@@ -1178,9 +1222,15 @@ def _new_session_row(
     return row, api_key
 
 
-def _status_change(row: Mapping[Any, Any], status: str) -> dict[str, Any]:
+def _is_rewarded() -> sa.ColumnElement[bool]:
+    """A session row has a session reward or any reward event."""
+    s, r = schema.sessions, schema.reward_events
+    return sa.or_(s.c.reward.is_not(None), sa.exists(sa.select(r.c.id).where(r.c.session_id == s.c.id)))
+
+
+def _status_change(row: Mapping[Any, Any], status: str, now: float | None = None) -> dict[str, Any]:
     """Column values for moving a session row to ``status``: bump its version; stamp finished_at once."""
     values: dict[str, Any] = {"status": status, "version": row["version"] + 1}
     if status == "finished" and row["finished_at"] is None:
-        values["finished_at"] = time.time()
+        values["finished_at"] = time.time() if now is None else now
     return values

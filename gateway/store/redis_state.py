@@ -191,6 +191,14 @@ class RedisState:
             for key in keys:
                 await self._drop(key)
 
+    async def put_sessions(self, items: Sequence[tuple[str, SessionRecord]]) -> None:
+        """Several sessions' records (``(key hash, record)``) in one round trip, as the turn publish caches
+        the sessions created with its turns."""
+        if len(items) == 1:
+            await self.put_session(*items[0])
+        elif items:
+            await self.publish_turns((), (), sessions=items)
+
     async def find_continued(self, index_keys: Sequence[str], longest_hash: str,
                              marker: Marker | None = None) -> Continued | None:
         """One round trip for an implicit-mode turn (see ``_FIND_CONTINUED``): None when no candidate is

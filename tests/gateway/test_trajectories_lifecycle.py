@@ -11,6 +11,7 @@ from agentrl.trajectory import decode_batch
 from gateway import errors
 from gateway.lifecycle import ExportSettings, StalenessAdmission, TrajectoryService
 from gateway.store import Interaction, Store
+from gateway.store import api as store_api
 from gateway.store import errors as store_errors
 
 
@@ -316,3 +317,43 @@ async def test_rows_carry_their_exported_groups_key(service):
     assert len(keys) == 2 and {r.group_id for r in rows} == {"same-root"}
     for r in rows:
         assert r.session_id in keys[r.group_key] and r.grpo_group == r.group_key
+
+
+async def test_a_tick_moves_many_sessions_in_batches_and_releases_their_budget_once(service, monkeypatch):
+    """Sessions that time out or go idle together are moved ``MOVE_BATCH`` at a time (a transaction each
+    cost more than the turns that made them), the budget comes back in one release, and a session that
+    moved on its own between the tick's read and its move is left to the next tick."""
+    monkeypatch.setattr(store_api, "MOVE_BATCH", 4)
+    store = service.store
+    stuck = [await store.create_session() for _ in range(9)]  # groups of one, no reward
+    done = await session_with_turns(store, "mixed")
+    late = await session_with_turns(store, "mixed", reward=None)
+    await store.finish_session(session_id=done.id)
+    idle = [await session_with_turns(store, None) for _ in range(6)]  # rewarded
+    released: list[int] = []
+    release = service.staleness.release
+
+    async def record_release(n: int) -> None:
+        released.append(n)
+        await release(n)
+
+    read = store.lifecycle_sessions
+
+    async def read_then_finish_one(**kw):
+        live = await read(**kw)
+        if not released:  # first tick only: stuck[0] finishes after the tick read it as active
+            await store.finish_session(session_id=stuck[0].id)
+        return live
+
+    monkeypatch.setattr(service.staleness, "release", record_release)
+    monkeypatch.setattr(store, "lifecycle_sessions", read_then_finish_one)
+    await service.tick(now=time.time() + 601)
+    status = {s.id: (await store.get_session(session_id=s.id)).status for s in [*stuck, done, late, *idle]}
+    assert [status[s.id] for s in stuck] == ["finished"] + ["abandoned"] * 8
+    assert status[late.id] == "abandoned" and status[done.id] == "consumed"
+    assert [status[s.id] for s in idle] == ["consumed"] * 6
+    assert service.stats.sessions_abandoned == 9 and released == [9]
+    assert service.stats.idle_finished == 6 and (await service.queue.counts()).ready == 7
+    await service.tick(now=time.time() + 601)  # the one that finished meanwhile goes now (no turns: empty)
+    assert (await store.get_session(session_id=stuck[0].id)).status == "consumed"
+    assert service.stats.sessions_empty == 1 and released == [9, 1]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import sqlalchemy as sa
 
 from gateway.store import Conflict, InvalidValue, NotFound, Store
+from gateway.store import api as store_api
+from tests.gateway.store.helpers import make_turn
 
 
 async def test_create_and_lookup(store: Store) -> None:
@@ -82,6 +85,60 @@ async def test_finish_is_idempotent_and_seen_by_key(store: Store) -> None:
         await store.set_session_status(session_id=s.id, status="paused")  # type: ignore[arg-type]
     with pytest.raises(NotFound):
         await store.finish_session(session_id="nope")
+
+
+async def test_move_sessions_moves_each_one_in_expected_one_update_per_batch(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lifecycle's bulk move: only sessions in ``expected`` move (each on its own, an unknown id or one in
+    another status is skipped, not a Conflict), one UPDATE per ``MOVE_BATCH`` ids, versions bumped, a
+    finished_at kept where it was set, and the key and id caches see the new status."""
+    monkeypatch.setattr(store_api, "MOVE_BATCH", 3)
+    made = [await store.create_session() for _ in range(7)]
+    done = await store.finish_session(session_id=made[0].id)
+    watched = made[4]
+    assert watched.api_key is not None
+    assert (await store.get_session_by_key(api_key=watched.api_key)).status == "active"  # cached now
+    assert (await store.get_session(session_id=watched.id, cached=True)).status == "active"
+    updates: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *args: object) -> None:
+        if statement.lstrip().upper().startswith("UPDATE SESSIONS"):
+            updates.append(statement)
+
+    sa.event.listen(store.engine.sync_engine, "before_cursor_execute", count)
+    try:
+        moved = await store.move_sessions(session_ids=[s.id for s in made] + ["sess-nope"], status="finished",
+                                          expected=["active"])
+    finally:
+        sa.event.remove(store.engine.sync_engine, "before_cursor_execute", count)
+    assert sorted(r.id for r in moved) == sorted(s.id for s in made[1:])
+    assert len(updates) == 3  # 8 ids in batches of 3; each batch's sessions in one statement
+    assert all(r.status == "finished" and r.version == 1 and r.finished_at is not None for r in moved)
+    for record in moved:
+        stored = await store.get_session(session_id=record.id)
+        assert (stored.status, stored.version, stored.finished_at) == ("finished", 1, record.finished_at)
+    kept = await store.get_session(session_id=done.id)
+    assert (kept.status, kept.version, kept.finished_at) == ("finished", 1, done.finished_at)
+    assert (await store.get_session_by_key(api_key=watched.api_key)).status == "finished"
+    assert (await store.get_session(session_id=watched.id, cached=True)).status == "finished"
+
+    assert await store.move_sessions(session_ids=[s.id for s in made], status="abandoned", expected=["active"]) == []
+    gone = await store.move_sessions(session_ids=[s.id for s in made], status="abandoned", expected=["finished"])
+    assert len(gone) == 7 and {r.version for r in gone} == {2}
+    assert (await store.get_session(session_id=done.id)).finished_at == done.finished_at
+    assert (await store.get_session_by_key(api_key=watched.api_key)).status == "abandoned"
+    with pytest.raises(InvalidValue):
+        await store.move_sessions(session_ids=[made[0].id], status="paused", expected=["active"])  # type: ignore[arg-type]
+
+
+async def test_rewarded_names_sessions_with_a_session_reward_or_any_reward_event(store: Store) -> None:
+    plain, by_session, by_turn = [await store.create_session() for _ in range(3)]
+    await store.set_reward(reward=1.0, source="test", session_id=by_session.id)
+    await store.record_interactions([make_turn("rw1", by_turn.id, None, prompt=[1], output=[2])])
+    await store.set_reward(reward=0.5, source="test", interaction_id="rw1")
+    assert await store.rewarded(session_ids=[plain.id, by_session.id, by_turn.id, "sess-nope"]) == {
+        by_session.id, by_turn.id}
+    assert await store.rewarded(session_ids=[]) == set()
 
 
 async def test_list_and_touch(store: Store) -> None:

@@ -1,0 +1,1 @@
+"""agentrl-gateway: the `agentrl` command and what the gateway and trainer share."""

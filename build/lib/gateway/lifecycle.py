@@ -1,0 +1,804 @@
+"""Session lifecycle and group readiness: from recorded sessions to queued GRPO groups.
+
+A background loop (one per gateway; with Redis, one leader among replicas and worker processes: the
+process holding the lock ``<prefix>lifecycle:leader``, taken or renewed atomically at every tick, lapsing
+``LEADER_TTL_MS`` after its holder stops renewing, released at shutdown) does, every ``tick_s``:
+
+1. **Idle finish.** An active session idle for ``idle_timeout_s`` that has at least one reward (on a turn
+   or on the session) and no turn in flight is finished.
+2. **Readiness.** Non-eval sessions that are active or finished are grouped by ``group_id`` and cut, in
+   creation order, into groups of the target size: ``metadata.group_size`` of the group's first session
+   if set, else 1 for a session created without a group id (its group id is its own id), else
+   ``group_size``; a group admitted as a whole (``gateway.groups``) has its own size. A group is ready when
+   it is full and all of its sessions are finished with no turn in flight, or, for an admitted group that
+   no session can join any more, as soon as its remaining sessions are finished (an abandoned session
+   does not hold it back; ``complete: false``). A group with no activity (turn, finish, creation) for
+   ``group_timeout_s`` goes out with the sessions that have finished (a smaller group,
+   ``complete: false``); its still-active sessions are marked abandoned and its unused places are given
+   back to the staleness budget.
+   A finished session with a turn still in flight is left out of a group until that turn has ended, so
+   that one slow turn never blocks the queue.
+3. **Export, at least once.** The group's turn trees are exported with :mod:`agentrl.trajectory`
+   (concat or individual); then one transaction marks its sessions consumed (compare-and-set from finished
+   at the version read: from then on a reward for them answers 409, and no other replica exports them)
+   and stages the group on the queue, which publishes it after the commit; a group staged by an exporter
+   that died before publishing is published by the next upkeep's sweep. Sessions that yield no rows give
+   their staleness budget back.
+4. **Staleness upkeep.** Held-back stale groups are re-queued if admissible again or dropped after
+   ``stale_max_age_s`` (their budget is given back).
+
+The upkeep (the sweep of 3, step 4, and deserted groups' places) runs on every ``UPKEEP_EVERY_TICKS``-th
+tick of the loop and on every tick woken by :meth:`TrajectoryService.notify`.
+
+Eval sessions (``metadata.eval``) are never exported (they still finish on idle).
+
+A tick reads only the groups where something can happen (``Store.lifecycle_sessions``: a finished session,
+or an active one idle past the idle or group timeout, and then the whole group), never the finished history
+or the busy groups: its cost follows what is ready, not how much was recorded (``bench/soak.py`` times it
+at 1k and 100k finished sessions).
+
+:class:`TrajectoryService` is what the routes call: lease a batch, ack, stats; :class:`InFlight` tracks
+turns in flight per session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import typing
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from agentrl import defaults
+from agentrl.settings import SettingsError
+from agentrl.trajectory import (
+    EXPORT_MODES,
+    FORMAT_VERSION,
+    REWARD_MODES,
+    Row,
+    UntrainableSampling,
+    encode_batch,
+    export_session,
+    merge_batches,
+    stable_id,
+    turn_from_interaction,
+)
+from gateway import errors
+from gateway.queue import QueuedGroup, RedisQueue, SqlQueue, TrajectoryQueue, lease_meta
+from gateway.staleness import StalenessControl
+from gateway.store import GroupRecord, Marker, SessionRecord, Store
+from gateway.store import errors as store_errors
+
+log = logging.getLogger("agentrl.gateway.lifecycle")
+ENV_PREFIX = "AGENTRL_GATEWAY_"
+
+# The lifecycle leader lock (KEYS[1]; ARGV: holder id, ttl ms): renew it if held by ARGV[1], else take it
+# if free. Returns 1 when ARGV[1] holds it afterwards.
+_TAKE_OR_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+@dataclass
+class ExportSettings:
+    """Settings of export, leasing and staleness (read from the gateway's settings by field name)."""
+
+    group_size: int = field(default=defaults.GROUP_SIZE, metadata={"help": "sessions per GRPO group (metadata.group_size overrides)"})
+    export_mode: str = field(default="concat", metadata={"help": "concat (row per leaf) or individual (row per turn)"})
+    gamma: float = field(default=defaults.GAMMA, metadata={"help": "discount along each root-to-leaf path"})
+    reward_mode: str = field(default="discounted", metadata={"help": "row reward: discounted (return of turn 0) or last"})
+    idle_timeout_s: float = field(default=300.0, metadata={"help": "finish an idle session with a reward after this"})
+    group_timeout_s: float = field(default=900.0, metadata={"help": "send an incomplete group after this"})
+    lease_timeout_s: float = field(default=300.0, metadata={"help": "an unacknowledged lease returns to the queue after this"})
+    stale_max_age_s: float = field(default=600.0, metadata={"help": "drop held-back stale groups after this"})
+    max_lease_groups: int = field(default=1024, metadata={"help": "largest max_groups of one lease"})
+    max_wait_s: float = field(default=300.0, metadata={"help": "largest wait_s of one lease"})
+    retry_after_s: float = field(default=2.0, metadata={"help": "Retry-After of a 429 at the staleness limit"})
+    tick_s: float = field(default=0.5, metadata={"help": "how often the lifecycle loop runs"})
+
+    def validate(self) -> None:
+        if self.export_mode not in EXPORT_MODES:
+            raise ValueError(f"export_mode {self.export_mode!r}: use one of {', '.join(EXPORT_MODES)}")
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"reward_mode {self.reward_mode!r}: use one of {', '.join(REWARD_MODES)}")
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma {self.gamma} must be within [0, 1]")
+        if self.group_size < 1 or self.max_lease_groups < 1:
+            raise ValueError("group_size and max_lease_groups must be >= 1")
+        for name in ("idle_timeout_s", "group_timeout_s", "lease_timeout_s", "stale_max_age_s", "tick_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @classmethod
+    def from_settings(cls, settings: Any, environ: Mapping[str, str] | None = None) -> ExportSettings:
+        """Each field from the gateway's settings object if it has one of that name, else from the
+        environment variable ``AGENTRL_GATEWAY_<FIELD>`` (e.g. ``AGENTRL_GATEWAY_GROUP_SIZE=8``), else
+        the default. Raises SettingsError with the variable's name for a malformed value."""
+        env = os.environ if environ is None else environ
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = ENV_PREFIX + f.name.upper()
+            if hasattr(settings, f.name):
+                values[f.name] = getattr(settings, f.name)
+            elif var in env:
+                kind = hints[f.name]
+                try:
+                    values[f.name] = kind(env[var])
+                except ValueError:
+                    raise SettingsError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
+        out = cls(**values)
+        try:
+            out.validate()
+        except ValueError as exc:
+            raise SettingsError(f"export settings: {exc} (flag --<field>, or {ENV_PREFIX}<FIELD>)") from exc
+        return out
+
+
+@dataclass
+class ExportStats:
+    """Counters since start-up (this process)."""
+
+    idle_finished: int = 0
+    groups_exported: int = 0
+    groups_swept: int = 0  # staged by an exporter that died before publishing; published by the sweep
+    groups_partial: int = 0
+    rows_exported: int = 0
+    sessions_exported: int = 0
+    sessions_abandoned: int = 0
+    sessions_empty: int = 0
+    sessions_failed: int = 0
+    sessions_untrainable: int = 0  # sampled with top_p < 1 / top_k: refused (agentrl.trajectory.UntrainableSampling)
+    stale_groups_dropped: int = 0
+    stale_rows_dropped: int = 0
+    stale_groups_requeued: int = 0
+    leases: int = 0
+    groups_leased: int = 0
+    groups_redelivered: int = 0
+    acks: int = 0
+    groups_acked: int = 0
+    ticks: int = 0
+    tick_errors: int = 0
+    last_tick_ms: float = 0.0  # wall time of the last complete tick (bench/soak.py reports it)
+
+
+class InFlight:
+    """Turns in flight per session, so that lifecycle decisions never cut a turn off.
+
+    The generation path wraps each engine call in ``async with inflight.track(session_id)``. With Redis,
+    entries are shared between replicas: a sorted set per session whose members are scored by expiry. The
+    expiry is short (``ttl_s``, 30 s) and this replica pushes it forward every ``ttl_s / 3`` while the turn
+    runs (:meth:`refresh`, run by the lifecycle loop's companion task), so the markers of a replica that
+    was killed (kill -9, OOM) lapse within ``ttl_s`` and its sessions are idle-finished and exported as
+    usual. Without Redis they live in this process (and die with it).
+
+    An implicit-mode turn has its marker added by the script that finds its episode
+    (``Store.find_continued`` with :meth:`marker`) and takes it over with :meth:`adopt`.
+
+    A turn that is recorded has its marker removed in the same Redis round trip as the publish that
+    follows its commit (:meth:`releases`, then :meth:`released`): from the commit on, the session's last
+    activity keeps it from being idle-finished, so the marker has done its job, and the turn sends Redis
+    no command of its own for it. A turn that ends without a commit (an error, a client gone) has its
+    marker removed after it, off its path. This replica's :meth:`busy` first waits for the removals
+    started before it asks, so it never counts a turn that has ended here; another replica may see one in
+    flight a moment longer (:meth:`settle` waits for the removals started so far).
+
+    Redis down: starting a turn fails with ``StoreUnavailable`` (503, nothing recorded yet); ending one
+    never fails (the turn is already recorded; its marker lapses by itself)."""
+
+    def __init__(self, redis: Any | None = None, *, prefix: str = "agentrl:", ttl_s: float = 30.0) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+        self._local: dict[str, int] = defaultdict(int)
+        self._members: dict[str, str] = {}  # Redis member -> session id, for the turns of this replica
+        self._removals: set[asyncio.Task[None]] = set()
+        self._refresher: asyncio.Task[None] | None = None
+
+    def _key(self, session_id: str) -> str:
+        return f"{self.prefix}inflight:{session_id}"
+
+    def _key_ttl(self) -> int:
+        return int(self.ttl_s * 4) + 1
+
+    def marker(self) -> Marker | None:
+        """A new marker for ``Store.find_continued`` to add (None without Redis)."""
+        if self.redis is None:
+            return None
+        return Marker(self._key(""), uuid.uuid4().hex, time.time() + self.ttl_s, self._key_ttl())
+
+    @asynccontextmanager
+    async def track(self, session_id: str) -> AsyncIterator[str | None]:
+        """Add a marker for a turn of ``session_id`` and hold it until the block ends; yields the marker's
+        Redis member (None without Redis)."""
+        marker = self.marker()
+        if marker is not None:
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.zadd(marker.key_prefix + session_id, {marker.member: marker.expiry})
+                    pipe.expire(marker.key_prefix + session_id, marker.key_ttl_s)
+                    await pipe.execute()
+            except RedisError as exc:
+                raise errors.StoreUnavailable(f"Redis failed (in-flight marker): {exc}") from exc
+        async with self.adopt(session_id, marker.member if marker is not None else None) as member:
+            yield member
+
+    @asynccontextmanager
+    async def adopt(self, session_id: str, member: str | None) -> AsyncIterator[str | None]:
+        """Track a turn whose Redis marker ``member`` is already set (None: without Redis); yields it."""
+        if member is not None:
+            self._members[member] = session_id
+            self._start_refresher()
+        self._local[session_id] += 1
+        try:
+            yield member
+        finally:
+            self._local[session_id] -= 1
+            if not self._local[session_id]:
+                del self._local[session_id]
+            if member is not None and self._members.pop(member, None) is not None:
+                self.discard(session_id, member)
+
+    def releases(self, members: Sequence[str]) -> list[tuple[str, str]]:
+        """The Redis ``(key, member)`` of the markers among ``members`` that this replica still holds, for
+        the after-commit publish to remove (``Store.record_interactions(release=...)``)."""
+        if self.redis is None:
+            return []
+        return [(self._key(self._members[m]), m) for m in members if m in self._members]
+
+    def released(self, members: Sequence[str]) -> None:
+        """The commit that carried these markers' removal went through: the turn no longer holds them (so
+        it does not remove them again when it ends). Should Redis have failed that publish, they lapse
+        within ``ttl_s`` as the markers of a dead replica do."""
+        for m in members:
+            self._members.pop(m, None)
+
+    def discard(self, session_id: str, member: str) -> None:
+        """Remove a marker in the background (a turn ended, or a marker set for a turn that went elsewhere)."""
+        if self.redis is None:
+            return
+        task = asyncio.ensure_future(self._remove(session_id, member))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def _remove(self, session_id: str, member: str) -> None:
+        try:
+            await self.redis.zrem(self._key(session_id), member)
+        except RedisError as exc:
+            log.warning("in-flight marker of session %s not removed (lapses in %.0fs): %s",
+                        session_id, self.ttl_s, exc)
+
+    async def settle(self) -> None:
+        """Wait until the marker removals started so far have been answered."""
+        if self._removals:
+            await asyncio.gather(*list(self._removals), return_exceptions=True)
+
+    def _start_refresher(self) -> None:
+        if self._refresher is None or self._refresher.done():
+            self._refresher = asyncio.create_task(self._refresh_loop(), name="agentrl-inflight-refresh")
+
+    async def _refresh_loop(self) -> None:
+        while self._members:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                await self.refresh()
+            except RedisError as exc:
+                log.warning("in-flight markers not refreshed: %s", exc)
+
+    async def refresh(self) -> None:
+        """Push the expiry of this replica's live markers forward (they lapse ``ttl_s`` after its death)."""
+        if self.redis is None or not self._members:
+            return
+        expiry = time.time() + self.ttl_s
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for member, session_id in list(self._members.items()):
+                pipe.zadd(self._key(session_id), {member: expiry}, xx=True)
+                pipe.expire(self._key(session_id), self._key_ttl())
+            await pipe.execute()
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+            self._refresher = None
+        await self.settle()
+
+    async def busy(self, session_ids: Sequence[str]) -> set[str]:
+        """The sessions among ``session_ids`` that have a turn in flight (on a live replica)."""
+        await self.settle()
+        out = {s for s in session_ids if self._local.get(s)}
+        if self.redis is not None and session_ids:
+            now = time.time()
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for s in session_ids:
+                    pipe.zcount(self._key(s), now, "+inf")
+                counts = await pipe.execute()
+            out |= {s for s, n in zip(session_ids, counts) if n}
+        return out
+
+
+def _is_eval(metadata: dict[str, Any] | None) -> bool:
+    return bool(metadata and metadata.get("eval") is True)
+
+
+class StalenessAdmission:
+    """The gateway's admission hook (``gateway.admission.Admission``) backed by :class:`StalenessControl`."""
+
+    def __init__(self, service: TrajectoryService) -> None:
+        self.service = service
+        self._pending: list[asyncio.Future[Any]] = []
+
+    async def _settle(self) -> None:
+        """Let trainer updates posted just before this check land first (their errors went to the
+        admin route that posted them, not to this caller)."""
+        while self._pending:
+            task = self._pending.pop(0)
+            try:
+                await task
+            except Exception:
+                pass
+
+    async def reserve(self, n: int, *, metadata: dict[str, Any] | None = None) -> int:
+        await self._settle()
+        return await self.service.staleness.admit(n=n, is_eval=_is_eval(metadata))
+
+    async def settle(self) -> None:
+        await self._settle()
+
+    async def reserve_in(self, conn: Any, n: int, *, metadata: dict[str, Any] | None = None) -> int:
+        return await self.service.staleness.admit_in(conn, n=n, is_eval=_is_eval(metadata))
+
+    async def release(self, n: int) -> None:
+        await self.service.staleness.release(n)
+
+    def update_trainer(self, status: dict[str, Any]) -> asyncio.Future[Any]:
+        """Register the trainer / move its version. Returns an awaitable; callers that do not await it
+        still have it applied before the next admission check."""
+        task = asyncio.ensure_future(self._configure(status))
+        self._pending = [t for t in self._pending if not t.done()] + [task]
+        return task
+
+    async def _configure(self, status: dict[str, Any]) -> None:
+        await self.service.configure_trainer(
+            version=int(status["version"]), batch_size=int(status["batch_size"]),
+            staleness_bound=int(status["staleness_bound"]), group_size=status.get("group_size"))
+
+    async def status(self) -> dict[str, Any]:
+        """The trainer as stored in SQL (shared by every worker and replica), not as last posted here."""
+        await self._settle()
+        state = await self.service.staleness.state()
+        return {"policy": "staleness", "trainer": state.as_dict() if state is not None else None}
+
+
+def target_group_size(first: SessionRecord, default: int) -> int:
+    """Sessions per GRPO group, decided by a group's first session: its ``metadata.group_size`` if set,
+    else 1 for a session created without a group id (its group id is its own id), else ``default``."""
+    wanted = first.metadata.get("group_size") if isinstance(first.metadata, dict) else None
+    if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted >= 1:
+        return wanted
+    return 1 if first.group_id == first.id else default
+
+
+def grpo_chunks(members: list[SessionRecord], default_size: int, *,
+                size: int | None = None) -> list[tuple[list[SessionRecord], int]]:
+    """A group id's sessions cut, in creation order, into GRPO groups of the target size (``size`` if given:
+    a group admitted as a whole): ``(chunk, size)``."""
+    members = sorted(members, key=lambda s: (s.created_at, s.id))
+    if not members:
+        return []
+    size = size or target_group_size(members[0], default_size)
+    return [(members[i : i + size], size) for i in range(0, len(members), size)]
+
+
+class TrajectoryService:
+    """Export loop + queue + staleness: what the trajectory routes and the admin hook call."""
+
+    LEADER_TTL_MS = 10_000
+    EXPORT_CONCURRENCY = 8
+    # The loop's ticks do the upkeep (deserted groups, the queue's sweep and staleness maintenance) on every
+    # this-many-th tick, and on every tick woken by notify(): each of those is a few queries whose subject
+    # moves on the scale of lease and group timeouts, and together they were most of an idle tick's CPU
+    # (~5 of ~8.5 ms on PostgreSQL + Redis, twice a second). A direct tick() call does everything.
+    UPKEEP_EVERY_TICKS = 10
+
+    def __init__(self, store: Store, settings: ExportSettings, *, inflight: InFlight | None = None) -> None:
+        settings.validate()
+        self.store = store
+        self.settings = settings
+        self.stats = ExportStats()
+        redis = store.redis
+        self.inflight = inflight or InFlight(store.redis_hot, prefix=store.redis_prefix)
+        self.queue: TrajectoryQueue = (
+            RedisQueue(redis, prefix=store.redis_prefix, lease_timeout_s=settings.lease_timeout_s, engine=store.engine)
+            if redis is not None
+            else SqlQueue(store.engine, lease_timeout_s=settings.lease_timeout_s)
+        )
+        self.staleness = StalenessControl(store.engine, default_group_size=settings.group_size,
+                                          retry_after_s=settings.retry_after_s,
+                                          sqlite_writer=getattr(store, "sqlite_writer", None),
+                                          postgres_statements=getattr(store, "postgres_statements", None),
+                                          connection_slot=getattr(store, "connection_slot", None))
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._wake = asyncio.Event()
+        # who holds the lock, readable by operators: host, pid, and a random part (pids are reused)
+        self._leader_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.leading = False  # whether the last tick held the leader lock
+        self._leader_key = f"{store.redis_prefix}lifecycle:leader"
+        self.fault_points: dict[str, BaseException] = {}  # tests only: see _fault
+
+    # ------------------------------------------------------------------------------- the loop
+
+    def start(self) -> None:
+        if self._task is None:
+            self._stopping = False
+            self._task = asyncio.create_task(self._run(), name="agentrl-lifecycle")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            # The flag ends the loop even if a cancellation is swallowed somewhere below it (a library
+            # that catches CancelledError); the cancel ends a tick that is waiting on the store.
+            self._stopping = True
+            self._wake.set()
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # our caller was cancelled, not (only) the loop
+            self._task = None
+        await self._resign()
+        await self.inflight.close()
+        await self.queue.close()
+
+    def notify(self) -> None:
+        """Run the loop now (e.g. after a session finished) instead of at the next tick."""
+        self._wake.set()
+
+    async def _run(self) -> None:
+        ticks = 0
+        while not self._stopping:
+            woken = self._wake.is_set()
+            try:
+                await self.tick(upkeep=woken or ticks % self.UPKEEP_EVERY_TICKS == 0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive a database hiccup; the error is logged
+                self.stats.tick_errors += 1
+                log.exception("lifecycle tick failed")
+            ticks += 1
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                # A cancellation (stop()) reached the tick and a library below swallowed it: redis-py (8.1)
+                # sends each command under asyncio.wait_for (its default 5 s socket_timeout), which on
+                # Python 3.11 returns normally when the task is cancelled as the send completes. Seen with
+                # the queue's upkeep and the leader lock's EVAL during shutdown, after which this loop
+                # waited a whole tick_s (an hour in a test) on a wake-up that the clear() below had
+                # already erased. Honour it here.
+                log.warning("lifecycle: a cancellation was swallowed during a tick; stopping the loop")
+                raise asyncio.CancelledError
+            if self._stopping:
+                return
+            self._wake.clear()
+            # Not asyncio.wait_for: on Python 3.11 it returns normally, swallowing the cancellation, when
+            # the task is cancelled in the same loop iteration as the event is set (a notify() such as
+            # POST /admin/trainer's just before shutdown), and stop() then waited forever.
+            # asyncio.timeout never swallows an outside cancellation.
+            try:
+                async with asyncio.timeout(self.settings.tick_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def _is_leader(self) -> bool:
+        """Take or keep the leader lock: one atomic step (a holder's renewal cannot extend a lock that
+        lapsed and was taken by another process in between)."""
+        redis = self.store.redis
+        if redis is None:
+            self.leading = True
+            return True
+        got = await redis.eval(_TAKE_OR_RENEW, 1, self._leader_key, self._leader_id, self.LEADER_TTL_MS)
+        self.leading = bool(got)
+        return self.leading
+
+    async def _resign(self) -> None:
+        """Let the lock go at shutdown (if still ours), so another process leads at its next tick."""
+        redis = self.store.redis
+        if redis is None or not self.leading:
+            return
+        try:
+            await redis.eval(_RELEASE, 1, self._leader_key, self._leader_id)
+        except RedisError as exc:
+            log.warning("lifecycle leader lock not released (it lapses in %d ms): %s", self.LEADER_TTL_MS, exc)
+        self.leading = False
+
+    async def leader(self) -> str | None:
+        """The id of the process holding the leader lock (``host:pid:random``); this one's without Redis."""
+        redis = self.store.redis
+        if redis is None:
+            return self._leader_id
+        holder = await redis.get(self._leader_key)
+        return holder.decode() if isinstance(holder, bytes) else holder
+
+    async def tick(self, now: float | None = None, *, upkeep: bool = True) -> None:
+        """One pass of idle finish and readiness/export, and with ``upkeep`` of deserted groups, the queue's
+        sweep and staleness maintenance."""
+        if not await self._is_leader():
+            return
+        self.stats.ticks += 1
+        started = time.perf_counter()
+        now = time.time() if now is None else now
+        # Only groups where something can happen: a finished session, a rewarded one idle past the idle
+        # timeout, or one idle past the group timeout (the rest of the live sessions, those waiting for a
+        # reward included, and all of the history stay in SQL).
+        live = await self.store.lifecycle_sessions(idle_before=now - self.settings.idle_timeout_s,
+                                                   timeout_before=now - self.settings.group_timeout_s)
+        busy = await self.inflight.busy([s.id for s in live])
+        live = [await self._maybe_finish_idle(s, now, busy) for s in live]
+        groups: dict[str, list[SessionRecord]] = defaultdict(list)
+        for s in live:
+            if not s.is_eval:
+                groups[s.group_id].append(s)
+        admitted = await self.store.get_groups(group_ids=list(groups))
+        chunks: list[tuple[list[SessionRecord], int, GroupRecord | None]] = []
+        for gid, members in groups.items():
+            row = admitted.get(gid)
+            chunks += [(chunk, size, row) for chunk, size in
+                       grpo_chunks(members, self.settings.group_size, size=row.size if row is not None else None)]
+        # Groups are independent: overlap their store round trips (bounded, to leave the pool to requests).
+        gate = asyncio.Semaphore(self.EXPORT_CONCURRENCY)
+
+        async def consider(chunk: list[SessionRecord], size: int, row: GroupRecord | None) -> None:
+            async with gate:
+                await self._consider(chunk, size, row, now, busy)
+
+        await asyncio.gather(*(consider(chunk, size, row) for chunk, size, row in chunks))
+        if upkeep:
+            await self._close_deserted(now)
+            await self._upkeep()
+        self.stats.last_tick_ms = (time.perf_counter() - started) * 1000
+
+    async def _close_deserted(self, now: float) -> None:
+        """Give back the unused places of groups none of whose sessions is left (all abandoned or exported
+        while places were still free), once they are older than the group timeout."""
+        unused = 0
+        old = await self.store.open_groups(created_before=now - self.settings.group_timeout_s)
+        live = await self.store.live_group_ids(group_ids=[g.id for g in old])
+        for group in old:
+            if group.id not in live:
+                unused += await self.store.close_group(group_id=group.id, status="closed")
+        if unused:
+            await self.staleness.release(unused)
+
+    async def _maybe_finish_idle(self, s: SessionRecord, now: float, busy: set[str]) -> SessionRecord:
+        if s.status != "active" or now - s.last_activity_at < self.settings.idle_timeout_s or s.id in busy:
+            return s
+        if not await self._rewarded(s):
+            return s
+        try:
+            done = await self.store.finish_session(session_id=s.id)
+        except store_errors.NotFound:
+            return s
+        self.stats.idle_finished += 1
+        return done
+
+    async def _rewarded(self, s: SessionRecord) -> bool:
+        # Not remembered: a session found rewarded here is finished at once, so a set of them only grew
+        # (one id per idle-finished session, for the life of the process).
+        return s.reward is not None or bool(await self.store.reward_history(session_id=s.id))
+
+    async def _consider(self, chunk: list[SessionRecord], size: int, row: GroupRecord | None, now: float,
+                        busy: set[str]) -> None:
+        ready = [s for s in chunk if s.status == "finished" and s.id not in busy]
+        if len(chunk) == size and len(ready) == size:
+            await self._export(ready, complete=True)
+            return
+        # An admitted group that no session can join any more goes as soon as its live sessions are done:
+        # a session abandoned early never holds the others back.
+        if row is not None and row.sealed and ready and len(ready) == len(chunk):
+            await self._export(ready, complete=False)
+            return
+        last_activity = max(max(s.last_activity_at, s.finished_at or 0.0, s.created_at) for s in chunk)
+        if now - last_activity < self.settings.group_timeout_s:
+            return
+        abandoned = 0
+        for s in chunk:
+            if s.status == "active" and s.id not in busy:
+                try:
+                    await self.store.set_session_status(session_id=s.id, status="abandoned", expected=["active"])
+                    abandoned += 1
+                except (store_errors.Conflict, store_errors.NotFound):
+                    pass  # it finished (or vanished) meanwhile; the next tick sees it
+        # places reserved and never used are given back with the group
+        unused = await self.store.close_group(group_id=row.id, status="closed") if row is not None else 0
+        if abandoned or unused:
+            self.stats.sessions_abandoned += abandoned
+            await self.staleness.release(abandoned + unused)
+        if ready:
+            await self._export(ready, complete=False)
+
+    async def _export(self, sessions: list[SessionRecord], *, complete: bool) -> None:
+        """Export a group at least once: its rows are built from the sessions as read, then the sessions
+        are claimed (compare-and-set from finished, at the version read: a reward posted meanwhile makes the
+        claim fail and the next tick re-reads) and the group is staged on the queue in ONE transaction, then
+        published. A crash between the two leaves it staged, and the next tick's sweep publishes it."""
+        rows: list[Row] = []
+        with_rows: list[str] = []
+        no_rows = 0
+        s_ = self.settings
+        for rec in sessions:
+            try:
+                turns = [turn_from_interaction(i) for i in await self.store.session_interactions(session_id=rec.id)]
+                got = export_session(turns, mode=s_.export_mode, gamma=s_.gamma, reward_mode=s_.reward_mode,
+                                     session_reward=rec.reward, session_id=rec.id, group_id=rec.group_id,
+                                     task_id=rec.task_id)
+            except UntrainableSampling as exc:
+                log.error("session %s is not exported for training: %s", rec.id, exc)
+                self.stats.sessions_untrainable += 1
+                got = []
+            except ValueError:
+                log.exception("session %s has a malformed turn tree; left out of its group", rec.id)
+                self.stats.sessions_failed += 1
+                got = []
+            if got:
+                rows += got
+                with_rows.append(rec.id)
+            else:
+                no_rows += 1
+        group: QueuedGroup | None = None
+        if rows:
+            group_id = sessions[0].group_id
+            group_key = stable_id(group_id, *sorted(with_rows))
+            for row in rows:  # the trainer normalises advantages over exactly this group
+                row.group_key = group_key
+            versions = [r.min_version for r in rows if r.min_version >= 0]
+            group = QueuedGroup(
+                group_key=group_key, group_id=group_id, session_ids=with_rows,
+                payload=encode_batch(rows), n_rows=len(rows), n_tokens=sum(r.num_tokens for r in rows),
+                min_version=min(versions) if versions else -1, complete=complete,
+            )
+
+        async def stage(conn: Any) -> None:
+            if group is not None:
+                await self.queue.stage(conn, group)
+            self._fault("staged")
+
+        # The group is claimed all or nothing: a second exporter (another replica whose leadership
+        # overlapped, or an overlapping tick) loses the whole group instead of taking half of it.
+        try:
+            await self.store.claim_sessions(
+                session_ids=[s.id for s in sessions], status="consumed", expected=["finished"],
+                versions={s.id: s.version for s in sessions}, then=stage)
+        except (store_errors.Conflict, store_errors.NotFound):
+            return  # exported by someone else, or changed meanwhile; the next tick sees the truth
+        if no_rows:
+            self.stats.sessions_empty += no_rows
+            await self.staleness.release(no_rows)
+        if group is None:
+            return
+        self._fault("committed")
+        await self.queue.publish(group)
+        self.stats.groups_exported += 1
+        self.stats.groups_partial += not complete
+        self.stats.rows_exported += len(rows)
+        self.stats.sessions_exported += len(with_rows)
+
+    def _fault(self, point: str) -> None:
+        """Fault injection for tests: ``fault_points`` maps a point to the exception to raise there
+        (``staged``: inside the claim transaction; ``committed``: after it, before publishing)."""
+        exc = self.fault_points.get(point)
+        if exc is not None:
+            raise exc
+
+    async def _upkeep(self) -> None:
+        swept = await self.queue.sweep()
+        if swept:
+            log.warning("published %d exported group(s) whose exporter stopped before publishing them", swept)
+            self.stats.groups_swept += swept
+        state = await self.staleness.state()
+        done = await self.queue.maintain(min_version=state.min_version if state else None,
+                                         max_held_s=self.settings.stale_max_age_s)
+        self.stats.stale_groups_requeued += done.requeued
+        self.stats.stale_groups_dropped += done.dropped_groups
+        self.stats.stale_rows_dropped += done.dropped_rows
+        if done.dropped_sessions:
+            await self.staleness.release(done.dropped_sessions)
+
+    # ------------------------------------------------------------------------ for the routes
+
+    def check_lease_args(self, max_groups: int, wait_s: float) -> None:
+        if not 1 <= max_groups <= self.settings.max_lease_groups:
+            raise errors.InvalidRequest(
+                f"max_groups must be between 1 and {self.settings.max_lease_groups}, got {max_groups}",
+                param="max_groups")
+        if not 0.0 <= wait_s <= self.settings.max_wait_s:
+            raise errors.InvalidRequest(
+                f"wait_s must be between 0 and {self.settings.max_wait_s}, got {wait_s}", param="wait_s")
+
+    async def lease_batch(self, max_groups: int, wait_s: float) -> tuple[str, bytes] | None:
+        """``(lease_id, encoded batch)`` of up to ``max_groups`` ready groups, or None after ``wait_s``."""
+        self.check_lease_args(max_groups, wait_s)
+        state = await self.staleness.state()
+        lease = await self.queue.lease(max_groups, wait_s, min_version=state.min_version if state else None)
+        if lease is None:
+            return None
+        self.stats.leases += 1
+        self.stats.groups_leased += len(lease.groups)
+        self.stats.groups_redelivered += sum(g.deliveries > 1 for g in lease.groups)
+        meta = lease_meta(
+            lease, format_version=FORMAT_VERSION, lease_timeout_s=self.settings.lease_timeout_s,
+            export_mode=self.settings.export_mode, gamma=self.settings.gamma,
+            reward_mode=self.settings.reward_mode, trainer=state.as_dict() if state else None,
+        )
+        return lease.id, merge_batches([g.payload for g in lease.groups], meta)
+
+    async def ack(self, lease_id: str) -> int:
+        n = await self.queue.ack(lease_id)
+        self.stats.acks += 1
+        self.stats.groups_acked += n
+        return n
+
+    async def configure_trainer(
+        self, *, version: int, batch_size: int, staleness_bound: int, group_size: int | None = None
+    ) -> Any:
+        """``POST /admin/trainer``: register the trainer or move its version (see gateway.staleness)."""
+        running = await self.store.list_sessions(status=["active", "finished"])
+        queued = await self.queue.counts()
+        # places reserved by open groups and not taken yet are charged too: the sessions that take them
+        # later are not charged again (and the places, if never taken, are given back at the close)
+        reserved = await self.store.open_groups(created_before=float("inf"))
+        # a group exported between the two reads is in both: count each session once
+        pending = (len({s.id for s in running if not s.is_eval} | queued.pending_ids)
+                   + sum(g.places - g.created for g in reserved))
+        state = await self.staleness.configure(version=version, batch_size=batch_size,
+                                               staleness_bound=staleness_bound, group_size=group_size,
+                                               pending_sessions=pending)
+        self.notify()  # a new bound may re-admit held groups
+        return state
+
+    async def describe(self) -> dict[str, Any]:
+        """Counters, queue depth and the trainer state, for ``GET /v1/trajectories/stats``."""
+        counts = await self.queue.counts()
+        state = await self.staleness.state()
+        return {
+            "leader": {"id": await self.leader(), "this_process": self._leader_id, "leading": self.leading},
+            "stats": asdict(self.stats),
+            "queue": counts.as_dict(),
+            "trainer": state.as_dict() if state else None,
+            "settings": asdict(self.settings),
+            "waiting": await self.why_waiting(counts.ready, state),
+        }
+
+    async def why_waiting(self, ready: int, state: Any) -> str:
+        """One line on why a trainer gets no data, e.g. "6 groups open (24 sessions: 24 active, 0 finished),
+        0 ready to lease, staleness budget full (24 of 24 sessions admitted)"."""
+        live = [s for s in await self.store.list_sessions(status=["active", "finished"]) if not s.is_eval]
+        groups: dict[str, list[SessionRecord]] = defaultdict(list)
+        for s in live:
+            groups[s.group_id].append(s)
+        active = sum(s.status == "active" for s in live)
+        line = (f"{len(groups)} groups open ({len(live)} sessions: {active} active, {len(live) - active} "
+                f"finished), {ready} ready to lease")
+        if state is None:
+            return line + ", no trainer registered (no staleness budget)"
+        full = "full" if state.admitted >= state.limit else "not full"
+        return line + f", staleness budget {full} ({state.admitted} of {state.limit} sessions admitted)"
