@@ -310,7 +310,7 @@ SEED_SESSIONS = """
 WITH RECURSIVE g(x) AS (SELECT CAST(:lo AS INTEGER) UNION ALL SELECT x + 1 FROM g WHERE x < CAST(:hi AS INTEGER))
 INSERT INTO sessions (id, key_hash, group_id, task_id, metadata, status, is_eval, reward, version, created_at,
                       finished_at, last_activity_at)
-SELECT CAST(:p AS VARCHAR) || x, CAST(:p AS VARCHAR) || 'k' || x, CAST(:p AS VARCHAR) || 'g' || (x / 8), NULL, '{}', CAST(:status AS VARCHAR), false, 1.0, 3,
+SELECT CAST(:p AS VARCHAR) || x, CAST(:p AS VARCHAR) || 'k' || x, CAST(:p AS VARCHAR) || 'g' || (x / 8), NULL, '{}', CAST(:status AS VARCHAR), false, CAST(:reward AS FLOAT), 3,
        CAST(:t0 AS FLOAT) + x * 0.001, CASE WHEN CAST(:status AS VARCHAR) = 'consumed' THEN CAST(:t0 AS FLOAT) + x * 0.001 + 5 ELSE NULL END, CAST(:t0 AS FLOAT) + x * 0.001 + 5
 FROM g
 """
@@ -330,12 +330,15 @@ SELECT CAST(:p AS VARCHAR) || 'g' || x, 8, 8, 8, 'closed', NULL, '{}', CAST(:t0 
 """
 
 
-async def seed(store: Any, lo: int, hi: int, *, prefix: str, status: str, t0: float, groups: bool) -> None:
+async def seed(store: Any, lo: int, hi: int, *, prefix: str, status: str, t0: float, groups: bool,
+               reward: float | None = 1.0) -> None:
+    """Sessions ``prefix`` + ``lo``..``hi`` in ``status`` (group ids of 8), created from ``t0`` a millisecond
+    apart; consumed ones with a turn each, ``groups`` adds their (closed) group rows."""
     import sqlalchemy as sa
 
     params = {"lo": lo, "hi": hi, "p": prefix, "t0": t0}
     async with store.engine.begin() as conn:
-        await conn.execute(sa.text(SEED_SESSIONS), {**params, "status": status})
+        await conn.execute(sa.text(SEED_SESSIONS), {**params, "status": status, "reward": reward})
         if status == "consumed":
             await conn.execute(sa.text(SEED_TURNS), {**params, "blob": b"\x01\x00\x00\x00"})
         if groups:

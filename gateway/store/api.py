@@ -655,10 +655,8 @@ class Store:
                 rows = (await conn.execute(query)).mappings().all()
                 if not rows:
                     continue
-                values: dict[str, Any] = {"status": status, "version": s.c.version + 1}
-                if status == "finished":
-                    values["finished_at"] = sa.func.coalesce(s.c.finished_at, now)
-                await conn.execute(sa.update(s).where(s.c.id.in_([row["id"] for row in rows])).values(**values))
+                await conn.execute(sa.update(s).where(s.c.id.in_([row["id"] for row in rows]))
+                                   .values(**_status_update(status, now)))
             moved += [(row["key_hash"], session_from_row({**row, **_status_change(row, status, now)})) for row in rows]
         await self._recache(moved)
         return [record for _, record in moved]
@@ -700,12 +698,10 @@ class Store:
             moved = {i: rows[i]["version"] for i in ids if versions is not None and rows[i]["version"] != versions.get(i)}
             if moved:
                 raise Conflict(f"sessions changed since they were read: {moved}")
-            updated: list[tuple[Any, SessionRecord]] = []
-            for i in ids:
-                row = rows[i]
-                values = _status_change(row, status)
-                await conn.execute(sa.update(s).where(s.c.id == i).values(**values))
-                updated.append((row["key_hash"], session_from_row({**row, **values})))
+            now = time.time()
+            await conn.execute(sa.update(s).where(s.c.id.in_(ids)).values(**_status_update(status, now)))
+            updated = [(rows[i]["key_hash"], session_from_row({**rows[i], **_status_change(rows[i], status, now)}))
+                       for i in ids]
             if then is not None:
                 await then(conn)
         await self._recache(updated)
@@ -1226,6 +1222,15 @@ def _is_rewarded() -> sa.ColumnElement[bool]:
     """A session row has a session reward or any reward event."""
     s, r = schema.sessions, schema.reward_events
     return sa.or_(s.c.reward.is_not(None), sa.exists(sa.select(r.c.id).where(r.c.session_id == s.c.id)))
+
+
+def _status_update(status: str, now: float) -> dict[str, Any]:
+    """:func:`_status_change` as SQL expressions, for one UPDATE of many rows (locked by the caller)."""
+    s = schema.sessions
+    values: dict[str, Any] = {"status": status, "version": s.c.version + 1}
+    if status == "finished":
+        values["finished_at"] = sa.func.coalesce(s.c.finished_at, now)
+    return values
 
 
 def _status_change(row: Mapping[Any, Any], status: str, now: float | None = None) -> dict[str, Any]:
