@@ -121,7 +121,7 @@ def main() -> int:
                 asyncio.run(pg_admin(f'CREATE DATABASE "{template}"'))
                 asyncio.run(make_template(pg_url(template), args.sessions, SCENARIOS[scenario]))
             else:
-                asyncio.run(make_template(f"sqlite+aiosqlite:///{work / 'template.db'}", args.sessions,
+                asyncio.run(make_template(f"sqlite+aiosqlite:///{work / f'{scenario}.db'}", args.sessions,
                                           SCENARIOS[scenario]))
             results: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
             try:
@@ -132,7 +132,7 @@ def main() -> int:
                             asyncio.run(pg_admin(f'CREATE DATABASE "{copy}" TEMPLATE "{template}"'))
                             db = pg_url(copy)
                         else:
-                            shutil.copy(work / "template.db", work / "copy.db")
+                            shutil.copy(work / f"{scenario}.db", work / "copy.db")
                             db = f"sqlite+aiosqlite:///{work / 'copy.db'}"
                         try:
                             got = run_tick(tree, db, redis_url)

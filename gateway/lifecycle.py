@@ -418,6 +418,13 @@ class TrajectoryService:
     # moves on the scale of lease and group timeouts, and together they were most of an idle tick's CPU
     # (~5 of ~8.5 ms on PostgreSQL + Redis, twice a second). A direct tick() call does everything.
     UPKEEP_EVERY_TICKS = 10
+    # The loop looks for idle and timed-out sessions at most this often, as a fraction of the shorter of the
+    # idle and group timeouts (3 s with the defaults; every tick with timeouts of a second or less): that
+    # selection passes over every idle active session in SQL (50 ms for 66,364 of them on PostgreSQL, 166 ms
+    # for 79,000 under load, twice a second in the benchmark's idle gateways), and finishing a session 1 % of
+    # its timeout late changes nothing. Groups with a finished session are looked at on every tick (they are
+    # the export's latency).
+    IDLE_SCAN_FRACTION = 0.01
 
     def __init__(self, store: Store, settings: ExportSettings, *, inflight: InFlight | None = None) -> None:
         settings.validate()
@@ -439,6 +446,7 @@ class TrajectoryService:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._wake = asyncio.Event()
+        self._idle_scanned_at = float("-inf")
         # who holds the lock, readable by operators: host, pid, and a random part (pids are reused)
         self._leader_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.leading = False  # whether the last tick held the leader lock
@@ -541,7 +549,9 @@ class TrajectoryService:
 
     async def tick(self, now: float | None = None, *, upkeep: bool = True) -> None:
         """One pass of idle finish and readiness/export, and with ``upkeep`` of deserted groups, the queue's
-        sweep and staleness maintenance."""
+        sweep and staleness maintenance. Idle and timed-out sessions are looked for with ``upkeep`` and
+        otherwise at most every ``IDLE_SCAN_FRACTION`` of the shorter timeout; groups with a finished
+        session on every tick."""
         if not await self._is_leader():
             return
         self.stats.ticks += 1
@@ -550,8 +560,13 @@ class TrajectoryService:
         # Only groups where something can happen: a finished session, a rewarded one idle past the idle
         # timeout, or one idle past the group timeout (the rest of the live sessions, those waiting for a
         # reward included, and all of the history stay in SQL).
-        live = await self.store.lifecycle_sessions(idle_before=now - self.settings.idle_timeout_s,
-                                                   timeout_before=now - self.settings.group_timeout_s)
+        s_ = self.settings
+        idle = upkeep or now - self._idle_scanned_at >= self.IDLE_SCAN_FRACTION * min(s_.idle_timeout_s,
+                                                                                     s_.group_timeout_s)
+        if idle:
+            self._idle_scanned_at = now
+        live = await self.store.lifecycle_sessions(idle_before=now - s_.idle_timeout_s,
+                                                   timeout_before=now - s_.group_timeout_s, idle=idle)
         busy = await self.inflight.busy([s.id for s in live])
         live = await self._finish_idle(live, now, busy)
         groups: dict[str, list[SessionRecord]] = defaultdict(list)

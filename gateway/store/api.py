@@ -732,19 +732,23 @@ class Store:
             rows = (await conn.execute(query)).mappings().all()
         return [session_from_row(row) for row in rows]
 
-    async def lifecycle_sessions(self, *, idle_before: float, timeout_before: float) -> list[SessionRecord]:
+    async def lifecycle_sessions(self, *, idle_before: float, timeout_before: float,
+                                 idle: bool = True) -> list[SessionRecord]:
         """What one lifecycle tick must look at, selected in SQL so that the finished history is never read:
         every active or finished session of each group id that has a finished session, or an active one
         that can move: idle since ``idle_before`` and rewarded (an idle-finish candidate: a session reward
         or any reward event), or idle since ``timeout_before`` (a group-timeout candidate); oldest first.
         A group id is returned whole (all its live sessions), so that it is cut into GRPO groups as the
         full list would be. (Idle sessions that wait for a reward are left out until their group times
-        out: they used to be selected, with their whole group, on every tick.)"""
+        out: they used to be selected, with their whole group, on every tick.) With ``idle=False`` only the
+        groups with a finished session: the idle and timeout candidates cost the database a pass over every
+        idle active session (50 ms for 66,364 of them on PostgreSQL), which the lifecycle makes less often."""
         s = schema.sessions
-        hot = sa.select(s.c.group_id).where(sa.or_(
-            s.c.status == "finished",
-            sa.and_(s.c.status == "active", s.c.last_activity_at <= timeout_before),
-            sa.and_(s.c.status == "active", s.c.last_activity_at <= idle_before, _is_rewarded())))
+        moving = [s.c.status == "finished"]
+        if idle:
+            moving += [sa.and_(s.c.status == "active", s.c.last_activity_at <= timeout_before),
+                       sa.and_(s.c.status == "active", s.c.last_activity_at <= idle_before, _is_rewarded())]
+        hot = sa.select(s.c.group_id).where(sa.or_(*moving))
         query = (sa.select(s).where(s.c.status.in_(("active", "finished")), s.c.group_id.in_(hot))
                  .order_by(s.c.created_at, s.c.id))
         async with self._read() as conn:

@@ -357,3 +357,21 @@ async def test_a_tick_moves_many_sessions_in_batches_and_releases_their_budget_o
     await service.tick(now=time.time() + 601)  # the one that finished meanwhile goes now (no turns: empty)
     assert (await store.get_session(session_id=stuck[0].id)).status == "consumed"
     assert service.stats.sessions_empty == 1 and released == [9, 1]
+
+
+async def test_the_loop_looks_for_idle_sessions_every_hundredth_of_the_timeout_and_for_finished_ones_every_tick(service):
+    """The loop's ticks (``upkeep=False``) skip the idle/timeout selection until 1 % of the shorter timeout
+    (0.6 s here) has passed since the last one; a finished session's group goes out on any tick."""
+    store = service.store
+    idle = await session_with_turns(store, None)  # rewarded, a group of one
+    t0 = (await store.get_session(session_id=idle.id)).last_activity_at
+    await service.tick(now=t0 + 59.8)  # a full tick: looks, the session is not idle yet
+    assert (await store.get_session(session_id=idle.id)).status == "active"
+    done = await session_with_turns(store, None)
+    await store.finish_session(session_id=done.id)
+    await service.tick(now=t0 + 60.1, upkeep=False)  # idle now, but 0.3 s since the last look
+    assert (await store.get_session(session_id=idle.id)).status == "active"
+    assert (await store.get_session(session_id=done.id)).status == "consumed"
+    await service.tick(now=t0 + 60.5, upkeep=False)  # 0.7 s since: it looks
+    assert (await store.get_session(session_id=idle.id)).status == "consumed"
+    assert service.stats.idle_finished == 1
