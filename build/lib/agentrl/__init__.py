@@ -1,1 +1,0 @@
-"""agentrl-gateway: the `agentrl` command and what the gateway and trainer share."""
