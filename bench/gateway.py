@@ -153,25 +153,30 @@ def find_litellm(explicit: str | None) -> str | None:
     return None
 
 
+async def pg_admin(sql: str) -> None:
+    """Run one statement (CREATE / DROP DATABASE) on the admin database."""
+    import asyncpg
+
+    conn = await asyncpg.connect(PG_ADMIN)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def pg_url(name: str) -> str:
+    return f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+
+
 @contextmanager
 def pg_database(tag: str) -> Iterator[str]:
     """A fresh PostgreSQL database for one gateway, dropped at the end."""
-    import asyncpg
-
     name = f"agentrl_bench_{tag}_{uuid.uuid4().hex[:8]}"
-
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(PG_ADMIN)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     try:
-        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+        yield pg_url(name)
     finally:
-        asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def clear_redis_prefix(prefix: str) -> None:

@@ -70,20 +70,6 @@ async def make_template(db: str, n: int, reward: float | None) -> None:
         await store.close()
 
 
-async def pg_admin(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(bench.PG_ADMIN)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
-def pg_url(name: str) -> str:
-    return f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-
-
 def run_tick(tree: Path, db: str, redis_url: str | None) -> dict[str, float]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--child", db] + (["--redis", redis_url] if redis_url else [])
     done = subprocess.run(argv, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True,
@@ -118,8 +104,8 @@ def main() -> int:
             tag = uuid.uuid4().hex[:8]
             template = f"agentrl_bench_moves_{tag}"
             if args.db == "postgres":
-                asyncio.run(pg_admin(f'CREATE DATABASE "{template}"'))
-                asyncio.run(make_template(pg_url(template), args.sessions, SCENARIOS[scenario]))
+                asyncio.run(bench.pg_admin(f'CREATE DATABASE "{template}"'))
+                asyncio.run(make_template(bench.pg_url(template), args.sessions, SCENARIOS[scenario]))
             else:
                 asyncio.run(make_template(f"sqlite+aiosqlite:///{work / f'{scenario}.db'}", args.sessions,
                                           SCENARIOS[scenario]))
@@ -129,8 +115,8 @@ def main() -> int:
                     for name, tree in trees.items():
                         if args.db == "postgres":
                             copy = f"{template}_{name}_{run}"
-                            asyncio.run(pg_admin(f'CREATE DATABASE "{copy}" TEMPLATE "{template}"'))
-                            db = pg_url(copy)
+                            asyncio.run(bench.pg_admin(f'CREATE DATABASE "{copy}" TEMPLATE "{template}"'))
+                            db = bench.pg_url(copy)
                         else:
                             shutil.copy(work / f"{scenario}.db", work / "copy.db")
                             db = f"sqlite+aiosqlite:///{work / 'copy.db'}"
@@ -138,14 +124,14 @@ def main() -> int:
                             got = run_tick(tree, db, redis_url)
                         finally:
                             if args.db == "postgres":
-                                asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{copy}" WITH (FORCE)'))
+                                asyncio.run(bench.pg_admin(f'DROP DATABASE IF EXISTS "{copy}" WITH (FORCE)'))
                         results[name].append(got)
                         print(f"{scenario:8s} r{run} {name:5s} tick {got['wall_s']:7.2f} s wall {got['cpu_s']:7.2f} s CPU "
                               f"abandoned {got['abandoned']:6.0f} finished {got['idle_finished']:6.0f} "
                               f"groups exported {got['groups_exported']:5.0f}", flush=True)
             finally:
                 if args.db == "postgres":
-                    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{template}" WITH (FORCE)'))
+                    asyncio.run(bench.pg_admin(f'DROP DATABASE IF EXISTS "{template}" WITH (FORCE)'))
             med = {name: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s")}
                    for name, rs in results.items()}
             line = "  ".join(f"{name} {v['wall_s']:.2f} s wall / {v['cpu_s']:.2f} s CPU" for name, v in med.items())

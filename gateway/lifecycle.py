@@ -51,7 +51,7 @@ import time
 import typing
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -579,17 +579,13 @@ class TrajectoryService:
             row = admitted.get(gid)
             chunks += [(chunk, size, row) for chunk, size in
                        grpo_chunks(members, self.settings.group_size, size=row.size if row is not None else None)]
-        # Groups are independent: overlap their store round trips (bounded, to leave the pool to requests).
-        gate = asyncio.Semaphore(self.EXPORT_CONCURRENCY)
-
         timed_out: list[tuple[list[SessionRecord], GroupRecord | None]] = []
 
         async def consider(chunk: list[SessionRecord], size: int, row: GroupRecord | None) -> None:
-            async with gate:
-                if await self._consider(chunk, size, row, now, busy):
-                    timed_out.append((chunk, row))
+            if await self._consider(chunk, size, row, now, busy):
+                timed_out.append((chunk, row))
 
-        await asyncio.gather(*(consider(chunk, size, row) for chunk, size, row in chunks))
+        await self._overlapped(consider(chunk, size, row) for chunk, size, row in chunks)
         await self._time_out(timed_out, busy)
         if upkeep:
             await self._close_deserted(now)
@@ -655,14 +651,19 @@ class TrajectoryService:
         if abandoned or unused:
             self.stats.sessions_abandoned += abandoned
             await self.staleness.release(abandoned + unused)
+        await self._overlapped(self._export(ready, complete=False) for chunk, _ in chunks
+                               if (ready := [s for s in chunk if s.status == "finished" and s.id not in busy]))
+
+    async def _overlapped(self, steps: Iterable[Awaitable[None]]) -> None:
+        """Await ``steps`` (one per group: groups are independent), overlapping their store round trips,
+        at most ``EXPORT_CONCURRENCY`` at a time to leave the pool to requests."""
         gate = asyncio.Semaphore(self.EXPORT_CONCURRENCY)
 
-        async def export(ready: list[SessionRecord]) -> None:
+        async def gated(step: Awaitable[None]) -> None:
             async with gate:
-                await self._export(ready, complete=False)
+                await step
 
-        await asyncio.gather(*(export(ready) for chunk, _ in chunks
-                               if (ready := [s for s in chunk if s.status == "finished" and s.id not in busy])))
+        await asyncio.gather(*(gated(step) for step in steps))
 
     async def _export(self, sessions: list[SessionRecord], *, complete: bool) -> None:
         """Export a group at least once: its rows are built from the sessions as read, then the sessions

@@ -194,9 +194,7 @@ class RedisState:
     async def put_sessions(self, items: Sequence[tuple[str, SessionRecord]]) -> None:
         """Several sessions' records (``(key hash, record)``) in one round trip, as the turn publish caches
         the sessions created with its turns."""
-        if len(items) == 1:
-            await self.put_session(*items[0])
-        elif items:
+        if items:
             await self.publish_turns((), (), sessions=items)
 
     async def find_continued(self, index_keys: Sequence[str], longest_hash: str,

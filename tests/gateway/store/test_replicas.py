@@ -331,3 +331,39 @@ async def test_the_caller_is_answered_before_redis_answers_the_publish(pg_url: s
     finally:
         await client.aclose()
         await store.close()
+
+
+async def test_sessions_moved_in_bulk_are_seen_by_another_replica_even_when_redis_fails_the_write(
+        pg_url: str, redis_prefix: str) -> None:
+    """The lifecycle's bulk move (``move_sessions``) updates the cached records in one pipeline; another
+    replica then reads the new status by key. When Redis fails that pipeline (connection lost, twice), the
+    move still stands in SQL, the failure is counted, the stale cached records are dropped, and the other
+    replica reads the new status from SQL."""
+    one = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    two = await Store.open(pg_url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    try:
+        made = [await one.create_session() for _ in range(4)]
+        for s in made:  # cached in Redis as active, through the other replica too
+            assert (await two.get_session_by_key(api_key=s.api_key)).status == "active"
+        moved = await one.move_sessions(session_ids=[s.id for s in made[:2]], status="finished", expected=["active"])
+        assert [r.status for r in moved] == ["finished", "finished"]
+        assert [(await two.get_session_by_key(api_key=s.api_key)).status for s in made[:2]] == ["finished"] * 2
+
+        hot, errors = one._redis.hot, one._redis.errors  # type: ignore[union-attr]
+
+        async def refused(*args: object, **kwargs: object) -> object:
+            raise redis.exceptions.ConnectionError("Redis connection lost (injected)")
+
+        hot.execute_many = refused  # the pipeline; single commands (the drops) still go through
+        try:
+            moved = await one.move_sessions(session_ids=[s.id for s in made], status="abandoned",
+                                            expected=["active"])
+        finally:
+            del hot.execute_many
+        assert sorted(r.id for r in moved) == sorted(s.id for s in made[2:])
+        assert one._redis.errors == errors + 1  # type: ignore[union-attr]
+        statuses = [(await two.get_session_by_key(api_key=s.api_key)).status for s in made]
+        assert statuses == ["finished", "finished", "abandoned", "abandoned"]
+    finally:
+        await one.close()
+        await two.close()
