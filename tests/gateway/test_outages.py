@@ -184,6 +184,9 @@ async def test_redis_restart_under_load_gives_503s_never_500s_and_no_duplicate_s
                 assert resp.status_code == 200, resp.text
                 messages += [resp.json()["choices"][0]["message"], {"role": "user", "content": f"more {turns}"}]
                 turns += 1
+                # Paced, so that the ~3 s of the test stay within the tiny model's 2,048-token context: unpaced,
+                # a fast gateway ran a conversation past it (~130 turns) and the turn was a 400, not a 200.
+                await asyncio.sleep(0.05)
             rows = await gw.store.session_interactions(session_id=sess["session_id"])
             keys = Counter((r.parent_id, r.request_hash) for r in rows)
             assert max(keys.values()) == 1, "a retried turn was recorded twice"
