@@ -45,6 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.chat.errors import ChatFormatError
+from gateway.chat.normalize import validate_tools
 from gateway.errors import InvalidRequest
 from gateway.wire import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -148,7 +150,16 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _functions(req: ChatCompletionRequest) -> list[tuple[int, Mapping[str, Any]]]:
+def _functions(req: ChatCompletionRequest, names: Mapping[str, str]) -> list[tuple[int, Mapping[str, Any]]]:
+    """(index, function) of the request's function tools. ``tools`` is any JSON on the wire (``wire.py``)
+    and this runs before the conversation is planned, so the chat layer's validation of ``tools`` runs here
+    first: ``"tools": 5`` is a 400 naming ``tools`` (it was the ``TypeError`` of iterating ``5``, a 500),
+    and a malformed tool is blamed as such, not as a ``tool_choice`` that has no tools to force."""
+    try:
+        validate_tools(req.tools)
+    except ChatFormatError as exc:
+        param = names.get(exc.param, exc.param) if exc.param else names.get("tools", "tools")
+        raise InvalidRequest(exc.message, param=param, code=exc.code) from exc
     out = []
     for i, tool in enumerate(req.tools or []):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
@@ -228,7 +239,7 @@ def grammar_of(req: ChatCompletionRequest | CompletionRequest,
         found.append(Grammar(kind, value, kind, names.get(kind, kind)))
     schema = _response_schema(req, names)
     chat = isinstance(req, ChatCompletionRequest) and req.tool_choice != "none"
-    fns = _functions(req) if chat else []  # type: ignore[arg-type]
+    fns = _functions(req, names) if chat else []  # type: ignore[arg-type]
     forced = _forced(req, fns, names) if chat else None  # type: ignore[arg-type]
     if forced is not None and (schema is not None or found):
         raise InvalidRequest("tool_choice 'required' or a named tool cannot be combined with response_format, "
