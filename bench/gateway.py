@@ -414,7 +414,7 @@ def main() -> int:
     with pg_database("pg") as pg1, pg_database("w2") as pg2, Processes(work / "logs") as procs:
         up_port = free_port()
         upstream = f"http://127.0.0.1:{up_port}"
-        child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
+        child = procs.start("standin", [sys.executable, str(REPO / "tests" / "standin.py"), "--port", str(up_port),
                                         "--tokenizer", tokenizer])
         procs.wait_healthy(child, upstream + "/health", timeout_s=120)
         # bodies of the single-turn scenarios

@@ -1,6 +1,6 @@
 """Where a gateway turn's time goes: `wrk` against one recording gateway, optionally under py-spy.
 
-Starts `gateway.standin` (an instant SGLang-native upstream) and `agentrl gateway` (SQLite, implicit mode
+Starts `tests/standin.py` (an instant SGLang-native upstream) and `agentrl gateway` (SQLite, implicit mode
 with an agent key, every turn recorded), then measures with `wrk` (one thread, a C load generator that
 costs little next to the servers) for each scenario and concurrency, `--runs` times, and prints medians:
 
@@ -52,7 +52,7 @@ from tests.conftest import free_port  # noqa: E402
 
 ADMIN, AGENT = "bench-admin", "bench-agent"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and precisely."}
-REPLY = "Hello! How can I help you today?"  # the stand-in's reply (gateway.standin.DEFAULT_REPLY)
+REPLY = "Hello! How can I help you today?"  # the stand-in's reply (tests.standin.DEFAULT_REPLY)
 
 
 def user(k: int) -> dict[str, str]:
@@ -254,7 +254,7 @@ def main() -> int:
     with ExitStack() as stack, Processes(work / "logs") as procs:
         up_port, gw_port = free_port(), free_port()
         upstream, gateway = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{gw_port}"
-        child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
+        child = procs.start("standin", [sys.executable, str(REPO / "tests" / "standin.py"), "--port", str(up_port),
                                         "--tokenizer", str(tiny_dir()), "--reply", REPLY])
         procs.wait_healthy(child, upstream + "/health", timeout_s=120)
         gateways = {"": gateway}

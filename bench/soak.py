@@ -127,7 +127,7 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with bench.pg_database("soak") as pg, Processes(work / "logs") as procs:  # the processes stop first
         up_port = free_port()
         upstream = f"http://127.0.0.1:{up_port}"
-        child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
+        child = procs.start("standin", [sys.executable, str(REPO / "tests" / "standin.py"), "--port", str(up_port),
                                         "--tokenizer", str(tiny_dir())])
         procs.wait_healthy(child, upstream + "/health", timeout_s=120)
         prefix = f"agentrl-soak:{uuid.uuid4().hex[:8]}:"

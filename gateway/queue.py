@@ -34,7 +34,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -667,6 +667,3 @@ def lease_meta(lease: Lease, **extra: Any) -> dict[str, Any]:
         **extra,
     }
 
-
-def group_sizes(groups: Sequence[QueuedGroup]) -> list[int]:
-    return [len(g.session_ids) for g in groups]

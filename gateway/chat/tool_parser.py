@@ -185,7 +185,3 @@ class StreamingToolParser:
         self._buffer = ""
         self._inside = False
         return events
-
-    @property
-    def tool_call_count(self) -> int:
-        return self._calls

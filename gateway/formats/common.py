@@ -1,9 +1,8 @@
-"""Helpers the wire formats share: ids, SSE framing, a stored turn's whole conversation."""
+"""Helpers the wire formats share: SSE framing, a stored turn's whole conversation."""
 
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import Any
 
 from gateway import jsonio
@@ -13,10 +12,6 @@ from gateway.store import Interaction, Store
 from gateway.store import errors as store_errors
 
 log = logging.getLogger("agentrl.gateway.formats")
-
-
-def hex_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
 
 
 def dumps(value: Any) -> str:

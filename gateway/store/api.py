@@ -192,14 +192,8 @@ class Store:
         # PostgreSQL: a connection of its own for one-statement writes on the request path (the staleness
         # admission of a new episode), without the pool's checkout and SQLAlchemy's statement machinery
         self._pg_statements = None if self._is_sqlite else PostgresBatchWriter.for_engine(write_engine)
-        self._writer = GroupCommitWriter(
-            self._write_tx,
-            lock_rows=not self._is_sqlite,
-            max_batch_rows=max_batch_rows,
-            delay_s=commit_delay_s,
-            after_commit=self._after_commit,
-            direct=direct,
-        )
+        self._writer = GroupCommitWriter(direct, max_batch_rows=max_batch_rows, delay_s=commit_delay_s,
+                                         after_commit=self._after_commit)
         self._closed = False
 
     @classmethod
@@ -579,17 +573,6 @@ class Store:
             self._remember(self._key_sessions, key_hash, record.id)
             await self._redis.put_session(key_hash, record)
         return record
-
-    async def touch_session(self, *, session_id: str, at: float | None = None) -> None:
-        """Set ``last_activity_at`` (default now). ``record_interactions`` already does this. NotFound."""
-        async with self._write_tx() as conn:
-            result = await conn.execute(
-                sa.update(schema.sessions)
-                .where(schema.sessions.c.id == session_id)
-                .values(last_activity_at=time.time() if at is None else at)
-            )
-        if result.rowcount == 0:
-            raise NotFound(f"unknown session {session_id}")
 
     async def finish_session(self, *, session_id: str) -> SessionRecord:
         """Mark an active session finished (sets ``finished_at``). Idempotent: a session that is already
@@ -1171,18 +1154,6 @@ class Store:
         async with self._read() as conn:
             rows = (await conn.execute(query)).mappings().all()
         return [reward_from_row(row) for row in rows]
-
-    # ---- counters ----
-    async def root_counts(self, *, since: float | None = None) -> dict[str, int]:
-        """How many root turns were recorded, by ``root_reason`` (optionally since a unix time).
-        Roots recorded without a reason count under ``"unspecified"``."""
-        i = schema.interactions
-        query = sa.select(i.c.root_reason, sa.func.count()).where(i.c.parent_id.is_(None)).group_by(i.c.root_reason)
-        if since is not None:
-            query = query.where(i.c.created_at >= since)
-        async with self._read() as conn:
-            rows = (await conn.execute(query)).all()
-        return {(reason or "unspecified"): count for reason, count in rows}
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

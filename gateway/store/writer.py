@@ -37,16 +37,13 @@ import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway.store import schema
-from gateway.store.dberrors import db_errors
 from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreError, StoreUnavailable
 from gateway.store.records import CommitStats, Interaction
 
@@ -91,17 +88,13 @@ class GroupCommitWriter:
 
     def __init__(
         self,
-        transaction: Callable[[], AbstractAsyncContextManager[AsyncConnection]],
+        direct: SqliteBatchWriter | PostgresBatchWriter,
         *,
-        lock_rows: bool,
         max_batch_rows: int,
         delay_s: float,
         after_commit: Callable[[list[_Job]], Awaitable[None] | None],
-        direct: SqliteBatchWriter | PostgresBatchWriter | None = None,
     ) -> None:
-        self._transaction = transaction
         self._direct = direct
-        self._lock_rows = lock_rows
         self._max_rows = max(1, max_batch_rows)
         self._delay_s = delay_s
         self._after_commit = after_commit
@@ -138,8 +131,7 @@ class GroupCommitWriter:
         self._closing = True
         self._wake.set()
         await self._task
-        if self._direct is not None:
-            await self._direct.close()
+        await self._direct.close()
 
     def _take_batch(self) -> list[_Job]:
         batch: list[_Job] = []
@@ -218,63 +210,16 @@ class GroupCommitWriter:
                 self._published.set()
 
     async def _write(self, batch: list[_Job]) -> list[_Job]:
-        """One transaction for ``batch``. Jobs failing the checks are failed here and left out; returns
-        the committed jobs. Raises StoreError when the transaction as a whole fails."""
+        """One transaction for ``batch`` on the backend's own connection. Jobs failing the checks are
+        failed here and left out; returns the committed jobs. Raises StoreError when the transaction as a
+        whole fails."""
         self.stats.transactions += 1
-        if self._direct is not None:
-            failed = await self._direct.write(batch)
-            for index, error in failed:
-                _fail(batch[index], error)
-            self.stats.failed_calls += len(failed)
-            bad = {index for index, _ in failed}
-            return [job for index, job in enumerate(batch) if index not in bad]
-        async with db_errors(), self._transaction() as conn:
-            ok = await self._check(conn, batch)
-            created = [row for job in ok for row in job.sessions]
-            if created:
-                await conn.execute(sa.insert(schema.sessions), created)
-            if ok:
-                await conn.execute(sa.insert(schema.interactions), [row for job in ok for row in job.rows])
-                # sessions created just now already carry this activity time
-                session_ids = sorted({it.session_id for job in ok for it in job.interactions}
-                                     - {row["id"] for row in created})
-                if session_ids:
-                    await conn.execute(
-                        sa.update(schema.sessions)
-                        .where(schema.sessions.c.id.in_(session_ids))
-                        .values(last_activity_at=time.time())
-                    )
-        return ok
-
-    async def _check(self, conn: AsyncConnection, batch: list[_Job]) -> list[_Job]:
-        s = schema.sessions
-        i = schema.interactions
-        session_ids = sorted({it.session_id for job in batch for it in job.interactions})
-        query = sa.select(s.c.id, s.c.status).where(s.c.id.in_(session_ids)).order_by(s.c.id)
-        if self._lock_rows:  # PostgreSQL: serialise with finish/status changes; sorted, so no deadlocks
-            query = query.with_for_update()
-        status = {row.id: row.status for row in await conn.execute(query)}
-        for job in batch:  # sessions created with their first turns (a clash with a stored id fails on insert)
-            status.update({row["id"]: row["status"] for row in job.sessions if row["id"] not in status})
-
-        own_ids = [it.id for job in batch for it in job.interactions]
-        parent_ids = {it.parent_id for job in batch for it in job.interactions if it.parent_id}
-        known = {
-            row.id: row.session_id
-            for row in await conn.execute(sa.select(i.c.id, i.c.session_id).where(i.c.id.in_(set(own_ids) | parent_ids)))
-        }
-
-        ok: list[_Job] = []
-        for job in batch:
-            error = _job_error(job, status, known)
-            if error is not None:
-                _fail(job, error)
-                self.stats.failed_calls += 1
-                continue
-            ok.append(job)
-            for it in job.interactions:  # later jobs of this batch may use these as parents
-                known[it.id] = it.session_id
-        return ok
+        failed = await self._direct.write(batch)
+        for index, error in failed:
+            _fail(batch[index], error)
+        self.stats.failed_calls += len(failed)
+        bad = {index for index, _ in failed}
+        return [job for index, job in enumerate(batch) if index not in bad]
 
 
 class SqliteBatchWriter:
@@ -705,7 +650,7 @@ def _marks(n: int) -> str:
 
 def _write_sqlite(conn: sqlite3.Connection, batch: list[_Job]) -> list[tuple[int, StoreError]]:
     """The group commit's checks and writes on the SQLite writer's connection (inside its transaction):
-    what :meth:`GroupCommitWriter._write` does through SQLAlchemy. Returns the failed jobs' indexes with
+    each job's sessions active, its turns' ids new, its parents known and in the same session. Returns the failed jobs' indexes with
     their errors; the others are written."""
     session_ids = sorted({it.session_id for job in batch for it in job.interactions})
     status: dict[str, str] = dict(conn.execute(

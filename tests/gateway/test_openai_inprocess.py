@@ -1,6 +1,6 @@
 """The gateway in-process (``httpx.ASGITransport``), driven by the real ``openai`` SDK.
 
-The upstream is ``gateway.standin`` reached through ``httpx.ASGITransport``: it speaks SGLang's native wire
+The upstream is ``tests/standin.py`` reached through ``httpx.ASGITransport``: it speaks SGLang's native wire
 format and returns the real tokenizer's ids of scripted replies (a protocol-boundary fake: a random tiny
 model cannot be made to emit tool calls). Recording goes to a real SQLite store.
 """
@@ -23,7 +23,7 @@ from gateway.app import SERVING_GC_THRESHOLDS, create_app, load_tokenizer
 from gateway.store.errors import StoreUnavailable
 from gateway.metrics import cache_gauges
 from gateway.settings import GatewaySettings
-from gateway.standin import build_app
+from tests.standin import build_app
 from gateway.store import Store
 from tests.conftest import REDIS_URL
 

@@ -22,6 +22,7 @@ import redis
 from agentrl.procs import Processes
 from tests.conftest import REDIS_URL, free_port
 from tests.gateway.conftest import GatewayProc, full_sequences, read_turns
+from tests.standin import COMMAND as STANDIN
 
 CALL = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -107,7 +108,7 @@ def test_real_engine_turns_streaming_and_pause_resume(gateway: GatewayProc) -> N
 
 
 def _standin(procs: Processes, port: int, replies: list[str], tokenizer: str) -> Any:
-    argv = [sys.executable, "-m", "gateway.standin", "--port", str(port), "--tokenizer", tokenizer]
+    argv = [*STANDIN, "--port", str(port), "--tokenizer", tokenizer]
     for reply in replies:
         argv += ["--reply", reply]
     child = procs.start(f"standin-{port}-{time.monotonic_ns()}", argv)

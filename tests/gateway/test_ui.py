@@ -1,6 +1,6 @@
 """The trace viewer's JSON APIs and pages, in-process (``httpx.ASGITransport``) over a real SQLite store.
 
-Sessions are recorded through the real ``openai`` SDK; the upstream is ``gateway.standin`` (scripted
+Sessions are recorded through the real ``openai`` SDK; the upstream is ``tests/standin.py`` (scripted
 replies with the real tokenizer's ids, so that a turn can be a tool call). What the viewer shows is
 checked against the store and the export code directly, and the GRPO advantages against hand-computed
 numbers. The browser tests are in ``test_ui_browser.py``.
@@ -22,7 +22,7 @@ import pytest
 from agentrl.trajectory import export_session, turn_from_interaction
 from gateway.app import create_app, load_tokenizer
 from gateway.settings import GatewaySettings
-from gateway.standin import build_app
+from tests.standin import build_app
 from gateway.store import Store
 from gateway.ui.auth import COOKIE
 

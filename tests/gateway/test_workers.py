@@ -1,6 +1,6 @@
 """`agentrl gateway --workers N`: worker processes on one port sharing PostgreSQL + Redis (gateway.workers).
 
-Real processes throughout: the stand-in upstream (``gateway.standin``), the gateway's supervisor and its
+Real processes throughout: the stand-in upstream (``tests/standin.py``), the gateway's supervisor and its
 workers, the machine's PostgreSQL and Redis (own database and key prefix per test), the real ``openai``
 SDK as the agent. Which worker answered is read from the ``x-agentrl-worker`` response header.
 """
@@ -26,6 +26,7 @@ from agentrl.procs import Processes
 from gateway.workers import check_port_free, is_listening, reuseport_socket
 from tests.conftest import REDIS_URL, REPO, free_port
 from tests.gateway.conftest import full_sequences
+from tests.standin import COMMAND as STANDIN
 
 ADMIN, AGENT = "workers-admin", "workers-agent"
 
@@ -119,7 +120,7 @@ def test_two_workers_one_session_one_leader_and_takeover(tmp_path: Path, tiny_mo
     with Processes(tmp_path / "logs") as procs:
         up_port, port = free_port(), free_port()
         upstream, base = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{port}"
-        child = procs.start("standin", [sys.executable, "-m", "gateway.standin", "--port", str(up_port),
+        child = procs.start("standin", [*STANDIN, "--port", str(up_port),
                                         "--tokenizer", str(tiny_model_dir), "--reply", "Four."])
         procs.wait_healthy(child, upstream + "/health", timeout_s=120)
         gw = procs.start("gateway", _gateway_argv(pg_url, port, upstream, "--workers", "2", "--redis", REDIS_URL,

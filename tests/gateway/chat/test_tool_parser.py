@@ -167,4 +167,3 @@ def test_stream_releases_content_immediately_and_holds_tag_prefixes() -> None:
     assert parser.feed(" and more") == [ContentDelta("  and more")]  # the held space comes out before text
     assert parser.feed("<tooltip>") == [ContentDelta("<tooltip>")]
     assert parser.finish() == []
-    assert parser.tool_call_count == 1

@@ -141,7 +141,7 @@ async def test_rewarded_names_sessions_with_a_session_reward_or_any_reward_event
     assert await store.rewarded(session_ids=[]) == set()
 
 
-async def test_list_and_touch(store: Store) -> None:
+async def test_list(store: Store) -> None:
     a = await store.create_session(group_id="g")
     b = await store.create_session(group_id="g")
     c = await store.create_session(group_id="h")
@@ -149,10 +149,6 @@ async def test_list_and_touch(store: Store) -> None:
     assert [s.id for s in await store.list_sessions(group_id="g")] == [a.id, b.id]
     assert [s.id for s in await store.list_sessions(status="active")] == [a.id, c.id]
     assert [s.id for s in await store.list_sessions(status=["finished", "consumed"])] == [b.id]
-    await store.touch_session(session_id=a.id, at=a.created_at + 100)
-    assert (await store.get_session(session_id=a.id)).last_activity_at == a.created_at + 100
-    with pytest.raises(NotFound):
-        await store.touch_session(session_id="nope")
 
 
 async def test_claim_sessions_is_all_or_nothing(store: Store) -> None:

@@ -1,5 +1,8 @@
 """A scripted stand-in upstream for benchmarks and protocol-boundary tests (not a model).
 
+It lives with the tests, not in the ``gateway`` package: nothing a gateway serves needs it, and the
+benchmarks take their other helpers from here too (``tests.conftest.free_port``).
+
 It speaks SGLang's native API (``/generate`` non-stream and stream, ``/health``, ``/get_model_info``,
 ``/get_server_info``, ``/get_weight_version``, pause/continue) exactly as ``docs/sglang-protocol.md``
 describes, and answers every ``/generate`` with the token ids of a scripted reply, tokenized by the real
@@ -12,7 +15,10 @@ returns exactly those tokens, so the gateway's parsing, stitching and recording 
 over real HTTP with real token ids. Replies come from ``--reply`` (repeatable), used in turn (the n-th
 ``/generate`` call gets reply ``n mod len``); ``max_new_tokens`` is honoured (finish ``length``).
 
-    python -m gateway.standin --port 31000 --tokenizer ~/.cache/agentrl/models/tiny --reply 'Hello!'
+    python tests/standin.py --port 31000 --tokenizer ~/.cache/agentrl/models/tiny --reply 'Hello!'
+
+Other processes start it by its file (:data:`COMMAND`), so it runs from any working directory (``tests``
+is not an installed package).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -28,6 +36,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 DEFAULT_REPLY = "Hello! How can I help you today?"
+COMMAND = [sys.executable, str(Path(__file__).resolve())]  # argv that starts it as a process (add its flags)
 
 
 def build_app(tokenizer_dir: str, replies: list[str], *, context_length: int = 2048,
@@ -163,7 +172,7 @@ def build_app(tokenizer_dir: str, replies: list[str], *, context_length: int = 2
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m gateway.standin", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tests/standin.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory (e.g. the tiny model's)")
