@@ -108,7 +108,8 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
                                       retries=settings.sync_retries)
                 metrics.update({"sync/seconds": pushed.seconds, "sync/paused_s": pushed.paused_s,
                                 "sync/gb_per_s": pushed.gb_per_s,
-                                "sync/attempts": pushed.attempts})
+                                "sync/attempts": pushed.attempts,
+                                "sync/stale_cache_engines": pushed.stale_cache_engines})
         state.version += 1
         state.step += 1
         for row in rows:

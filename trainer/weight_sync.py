@@ -45,6 +45,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from engines.base import free_port
 from trainer.engine_ops import EngineOpsError, SGLangOps, VLLMOps, engine_ops, post
 from trainer.model import DistInfo, iter_full_tensors, served_dtype, tied_duplicates
 from trainer.safetensors_io import HostBuffer, save_file_fast
@@ -170,8 +171,10 @@ class DirectControl:
     recomputed after continue), the updates do not flush, and ``resume`` flushes while still paused with
     ``POST /flush_cache``: it succeeds on 0.5.23, and on 0.5.19 whenever nothing was in flight; a refused
     flush is logged (the prefix cache then still holds KV computed under the old weights) and generation
-    continues. vLLM pauses in ``keep`` mode and resets its prefix cache before resuming
-    (:mod:`trainer.engine_ops`)."""
+    continues. It is not retried: once the retracted requests run again 0.5.19's scheduler is not idle
+    until they end, and they would already have re-used the cached prefixes. :attr:`stale_cache` names
+    those engines and the push reports their number (``PushResult.stale_cache_engines``). vLLM pauses in
+    ``keep`` mode and resets its prefix cache before resuming (:mod:`engines.vllm`)."""
 
     flush_with_update = False
 
@@ -180,6 +183,8 @@ class DirectControl:
         self._urls = [u.rstrip("/") for u in engine_urls]
         self.client = client or httpx.Client(timeout=60.0)
         self.ops = EngineSet(self.client, engine_kind)
+        # the engines whose last resume kept a prefix cache computed under the old weights (flush refused)
+        self.stale_cache: list[str] = []
 
     def engines(self) -> list[str]:
         return self._urls
@@ -189,8 +194,14 @@ class DirectControl:
             _call(self.ops(url).pause_keep)
 
     def resume(self, version: int) -> None:
+        kept = []
         for url in self._urls:
-            _call(self.ops(url).resume_flushed)
+            try:
+                if not self.ops(url).resume_flushed():
+                    kept.append(url)
+            except EngineOpsError as exc:
+                raise WeightSyncError(str(exc)) from exc
+        self.stale_cache = kept
 
 
 # ----------------------------------------------------------------------------------------- transports
@@ -356,9 +367,11 @@ class TensorSync:
     """
 
     client: httpx.Client
+    engine_kind: str = "sglang"  # SGLang's route; the embedded engine speaks it too
 
     def __post_init__(self) -> None:
         self._held: tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None = None
+        self.ops = EngineSet(self.client, self.engine_kind)
 
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> str | None:
         """Collective: gather; rank 0 returns the base64 payload (and holds the buffer until committed)."""
@@ -392,12 +405,18 @@ class TensorSync:
 
     def send(self, engines: list[str], version: int, staged: str | None, updated: list[str], *,
              flush_cache: bool = True) -> None:
+        """Each engine in a weight-update session where its release has them (SGLang 0.5.23), with one
+        payload per TP rank (each rank opens ``serialized_named_tensors[tp_rank]``)."""
         for url in engines:
             if url in updated:
                 continue
-            _post(self.client, f"{url}/update_weights_from_tensor",
-                  {"serialized_named_tensors": [staged], "load_format": None, "flush_cache": flush_cache,
-                   "weight_version": str(version)}, timeout=600.0)
+            ops = self.ops(url)
+            if not isinstance(ops, SGLangOps):
+                raise WeightSyncError(f"tensor pushes speak SGLang's /update_weights_from_tensor; {url} is {ops.kind}")
+            with _session([ops]):
+                _post(self.client, f"{url}/update_weights_from_tensor",
+                      {"serialized_named_tensors": ops.tensor_payloads(staged or ""), "load_format": None,
+                       "flush_cache": flush_cache, "weight_version": str(version)}, timeout=600.0)
             updated.append(url)
 
     def committed(self, staged: str | None) -> None:
@@ -424,14 +443,16 @@ class BroadcastSync:
         # registered by a trainer that died (on the engine) or by an earlier sync in this process (here)
         # would otherwise refuse the name
         self._name = self.group_name
+        self._kinds = EngineSet(self.client, self.engine_kind)
+
+    def _ops(self, url: str) -> SGLangOps:
+        ops = self._kinds(url)
+        assert isinstance(ops, SGLangOps)  # connect refused every other kind
+        return ops
 
     def _tp_size(self, url: str) -> int:
         """Ranks the engine takes in the group: SGLang joins every TP worker, as ``rank_offset + tp_rank``."""
-        try:
-            resp = self.client.get(f"{url}/get_server_info", timeout=30.0)
-            return max(1, int(resp.json().get("tp_size") or 1)) if resp.status_code == 200 else 1
-        except (httpx.HTTPError, ValueError, TypeError):
-            return 1
+        return self._ops(url).dialect().tp_size
 
     def disconnect(self) -> None:
         """Drop the group on both sides (so that its name can be used again by the next ``connect``)."""
@@ -451,15 +472,14 @@ class BroadcastSync:
     def connect(self, engines: list[str]) -> None:
         """Rank 0 only: form the group with every engine. The trainer is rank 0; engine ``i`` takes
         ``tp_size`` ranks from ``rank_offset`` (1 + the ranks of the engines before it)."""
-        kinds = EngineSet(self.client, self.engine_kind)
-        if any(kinds(url).kind == "vllm" for url in engines):
+        if any(self._kinds(url).kind == "vllm" for url in engines):
             raise WeightSyncError("broadcast pushes to vLLM are not implemented (vLLM's NCCL weight transfer needs "
                                   "its own process group on the trainer); use --sync-mode disk")
         from agentrl.weight_group import init_weight_group
 
         self.disconnect()
         self._name = f"{self.group_name}-{secrets.token_hex(4)}"
-        port = self.master_port or _free_port()
+        port = self.master_port or free_port()
         offsets, world = [], 1
         for url in engines:
             offsets.append(world)
@@ -512,6 +532,14 @@ class BroadcastSync:
         error = broadcast_object(error, info)
         if error:
             return error
+        opened: list[SGLangOps] = []  # weight-update sessions (SGLang 0.5.23 refuses pushes outside one)
+        if info.is_main:
+            try:
+                for url in engines:
+                    self._ops(url).begin_weight_update()
+                    opened.append(self._ops(url))
+            except EngineOpsError as exc:
+                error = f"cannot open a weight-update session: {exc}"  # the gathers below still run on every rank
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -525,6 +553,11 @@ class BroadcastSync:
                 bucket, size = [], 0
         if info.is_main and bucket:
             error = error or self._send_bucket(bucket, engines, version, broadcast_flat, flush_cache)
+        for ops in opened:  # closed also after a failed bucket: an open session refuses the next begin
+            try:
+                ops.end_weight_update()
+            except EngineOpsError as exc:
+                error = error or f"cannot close the weight-update session: {exc}"
         return error
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], engines: list[str], version: int,
@@ -560,12 +593,25 @@ class BroadcastSync:
         return None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+@contextmanager
+def _session(engines: list[SGLangOps]) -> Iterator[None]:
+    """Weight-update sessions on ``engines`` around a push (SGLang 0.5.23; a no-op for releases without
+    them), closed also when the push fails: an open session refuses the next begin."""
+    opened: list[SGLangOps] = []
+    try:
+        for ops in engines:
+            _call(ops.begin_weight_update)
+            opened.append(ops)
+        yield
+    except BaseException:
+        for ops in opened:
+            try:
+                ops.end_weight_update()
+            except EngineOpsError as exc:
+                log.warning("closing the weight-update session on %s failed: %s", ops.url, exc)
+        raise
+    for ops in opened:
+        _call(ops.end_weight_update)
 
 
 def broadcast_object(obj: Any, info: DistInfo) -> Any:
@@ -587,6 +633,9 @@ class PushResult:
     bytes: int
     attempts: int
     paused_s: float = 0.0  # of which generation was paused (disk mode stages before pausing)
+    # engines that kept a prefix cache computed under the old weights (a direct push whose flush SGLang
+    # 0.5.19 refused because retracted requests were waiting; DirectControl.stale_cache)
+    stale_cache_engines: int = 0
 
     @property
     def gb_per_s(self) -> float:
@@ -733,5 +782,9 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo,
         transport.committed(staged)
     from trainer.model import weight_bytes
 
+    stale = len(getattr(control, "stale_cache", ())) if info.is_main else 0
+    if stale:
+        log.warning("weight push v%d: %d engine(s) kept prefix-cache entries computed under v%d (flush refused)",
+                    version, stale, version - 1)
     return PushResult(version, time.perf_counter() - start, weight_bytes(model, served_dtype(model)), attempts,
-                      paused_s)
+                      paused_s, stale)
