@@ -34,6 +34,11 @@ class EngineSettings:
                           "SGLang (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) it waits behind a pause"},
     )
     log_level: str = field(default="warning", metadata={"help": "uvicorn/engine log level (debug, info, warning)"})
+    test_hooks: bool = field(
+        default=False,
+        metadata={"help": "serve /test/hold_decoding and /test/release_decoding, which hold decoding at a token "
+                          "count so that tests act mid-generation by event, not by sleeping (never in production)"},
+    )
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:

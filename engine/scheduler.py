@@ -17,6 +17,13 @@ waits until no request is running (new requests wait meanwhile), unless generati
 applied at once: the requests a ``retract``/``in_place`` pause holds continue under the new weights) or
 ``abort_all_requests`` aborts the running ones. So a request's tokens span several versions only across a
 ``retract``/``in_place`` pause; its finished output reports the spans (SGLang 0.5.19's ``weight_versions``).
+
+Test hooks (``--test-hooks`` only): ``hold(at_output_tokens=N)`` stops decoding once a running request has N
+output tokens, until ``release``. Tests that need an event in the middle of a generation (a weight push
+landing mid-story, a disconnect while the engine is busy) hold the story at a known token count and act
+then, instead of sleeping and hoping the story is still running: on a fast machine a story of hundreds of
+tokens ended within the sleep (CI, 2026-12-04). While held, controls, weight swaps and admission go on (a
+new request gets its first token at prefill, so ``/health`` stays healthy); only the decode step waits.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch
 
 from engine import batch as batching
 from engine.grammar import advance, mask_rows
+from engine.lora import AdapterSet
 from engine.memory import WEIGHTS, MemoryOccupation
 from engine.sampling import SamplingParams, sample
 from engine.weights import WeightUpdateError
@@ -80,6 +88,7 @@ class Request:
     created: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None
     grammar: Any = None  # the request's xgrammar GrammarMatcher (engine/grammar.py), if it is constrained
+    lora: str | None = None  # the adapter it is served with (engine/lora.py; SGLang's lora_path), None: the base
 
     def snapshot(self) -> Snapshot:
         finished = self.finish_reason is not None
@@ -138,8 +147,10 @@ class Scheduler:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self.memory = MemoryOccupation(model)  # release/resume_memory_occupation (engine.memory)
+        self.adapters = AdapterSet(model)  # LoRA adapters applied per request (engine.lora)
         self.error: BaseException | None = None
         self.last_output = 0.0  # time.monotonic() of the last sampled token (what /health waits for)
+        self.hold_at: int | None = None  # test hook: no decode step once a running request has this many tokens
 
     # ----- called from other threads -----
 
@@ -181,9 +192,29 @@ class Scheduler:
             self._wake.notify()
         return future
 
+    def swap_adapters(self, change: Callable[[AdapterSet], Any]) -> Future:
+        """Run ``change(self.adapters)`` (load or unload a LoRA adapter) when a weight swap would run: between
+        steps, once no request is running or at once while paused, so an adapter never changes under a running
+        request's tokens; the version is not changed (SGLang's adapter routes carry none)."""
+        future: Future = Future()
+        with self._wake:
+            self._swaps.append((change, None, False, future))
+            self._wake.notify()
+        return future
+
     def counts(self) -> dict[str, int]:
         with self._wake:
             return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+
+    def pending_swaps(self) -> int:
+        """Weight updates waiting for the running requests to finish (``/get_server_info``)."""
+        with self._wake:
+            return len(self._swaps)
+
+    def held(self) -> bool:
+        """True while the test hook holds decoding (a running request has reached ``hold_at`` tokens)."""
+        hold_at = self.hold_at
+        return hold_at is not None and any(len(r.output_ids) >= hold_at for r in list(self._running))
 
     # ----- the scheduler thread -----
 
@@ -203,7 +234,7 @@ class Scheduler:
                     self._apply_swaps()
                 if self.paused is None and not self._swaps:
                     self._admit()
-                if self.paused is None and self._running:
+                if self.paused is None and self._running and not self.held():
                     self._decode()
         except BaseException as exc:  # a bug or OOM in the model: fail every request loudly, report unhealthy
             log.exception("scheduler thread died")
@@ -213,10 +244,14 @@ class Scheduler:
             raise
 
     def _has_work(self) -> bool:
-        if self._controls or self._swaps:
+        if self._controls:
             return True
+        if self._swaps and (self.paused is not None or not self._running or any(a for _, _, a, _ in self._swaps)):
+            return True  # a swap that can be applied now (otherwise it waits for the running requests)
         if self.paused is not None:
             return False
+        if self.held():  # only admission goes on (a pending swap holds that too)
+            return bool(self._waiting) and not self._swaps
         return bool(self._running or self._waiting)
 
     def _run_control(self, command: str, args: dict, future: Future) -> None:
@@ -244,6 +279,15 @@ class Scheduler:
                         if req.finish_reason is None:
                             self._abort(req, message)
                 future.set_result(None)
+            elif command == "hold":  # test hook (see the module docstring)
+                at = int(args["at_output_tokens"])
+                if at < 1:
+                    raise ValueError("at_output_tokens must be at least 1")
+                self.hold_at = at
+                future.set_result(None)
+            elif command == "release":
+                self.hold_at = None
+                future.set_result(None)
             elif command == "release_memory":
                 with self._wake:  # health probes wait behind a pause; they must not keep the engine busy
                     probes = [r for r in self._waiting if r.rid.startswith(HEALTH_CHECK_PREFIX)]
@@ -270,6 +314,9 @@ class Scheduler:
         state = self.model.state_dict(keep_vars=True)
         for tensors, version, _, future in self._swaps:
             try:
+                if callable(tensors):  # an adapter change (swap_adapters)
+                    future.set_result(tensors(self.adapters))
+                    continue
                 if tensors and WEIGHTS in self.memory.released:
                     raise WeightUpdateError("the weights are released (release_memory_occupation); resume them "
                                             "first: POST /resume_memory_occupation {\"tags\": [\"weights\"]}")
@@ -344,6 +391,8 @@ class Scheduler:
         for req in new:
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
+            elif req.lora and req.lora not in self.adapters.loaded:  # unloaded while it waited (a pause)
+                self._abort(req, f"LoRA adapter {req.lora!r} was unloaded")
             else:
                 ready.append(req)
         if not ready:
@@ -351,9 +400,10 @@ class Scheduler:
         # prompt logprobs once, at the first admission (a retracted request is prefilled again over prompt +
         # output: every token's KV recomputed, and the last position's logits give its next token)
         first = [not r.output_ids and r.input_logprobs for r in ready]
-        new_batch, logits = batching.prefill(
-            self.model, [r.input_ids + r.output_ids for r in ready], self.pad_id, all_logits=any(first)
-        )
+        with self.adapters.rows([r.lora for r in ready]):
+            new_batch, logits = batching.prefill(
+                self.model, [r.input_ids + r.output_ids for r in ready], self.pad_id, all_logits=any(first)
+            )
         if any(first):
             for row, req in enumerate(ready):
                 if first[row]:
@@ -370,7 +420,13 @@ class Scheduler:
             self.stats.max_batch_size = max(self.stats.max_batch_size, len(self._running))
 
     def _decode(self) -> None:
-        logits = batching.decode(self.model, self._batch)
+        gone = [row for row, r in enumerate(self._running) if r.lora and r.lora not in self.adapters.loaded]
+        for req in [self._running[row] for row in gone]:  # its adapter was unloaded during an in_place pause
+            self._abort(req, f"LoRA adapter {req.lora!r} was unloaded")
+        if not self._running:
+            return
+        with self.adapters.rows([r.lora for r in self._running]):
+            logits = batching.decode(self.model, self._batch)
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self._running)
         finished = self._sample_and_advance(self._running, self._batch, logits)

@@ -8,6 +8,7 @@ refuses gets 400 ``{"error": {"message": ...}}``, or, when it asked for a stream
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -98,6 +99,12 @@ class InitGroupIn(Wire):
     world_size: StrictInt
     group_name: StrictStr = "weight_update_group"
     backend: StrictStr = "nccl"
+
+
+class HoldIn(Wire):
+    """Test hook (``--test-hooks``): hold decoding once a running request has this many output tokens."""
+
+    at_output_tokens: StrictInt
 
 
 class DestroyGroupIn(Wire):
@@ -259,6 +266,19 @@ def create_app(engine: Engine) -> FastAPI:
         await _optional_body(request, Wire)
         await engine.resume()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    if engine.settings.test_hooks:
+        @app.post("/test/hold_decoding")
+        async def hold_decoding(body: HoldIn) -> JSONResponse:
+            if body.at_output_tokens < 1:
+                return _bad_request("at_output_tokens must be at least 1")
+            await asyncio.wrap_future(engine.scheduler.control("hold", at_output_tokens=body.at_output_tokens))
+            return JSONResponse({"status": "ok"})
+
+        @app.post("/test/release_decoding")
+        async def release_decoding() -> JSONResponse:
+            await asyncio.wrap_future(engine.scheduler.control("release"))
+            return JSONResponse({"status": "ok"})
 
     @app.post("/abort_request")
     async def abort_request(body: AbortIn) -> Response:

@@ -50,6 +50,7 @@ class GenerateInput:
     top_logprobs_num: int
     return_text_in_logprobs: bool
     grammar: Any = None  # the compiled grammar of params.grammar (engine/grammar.py)
+    lora: str | None = None  # the LoRA adapter to serve it with (SGLang's lora_path: a loaded adapter's name)
 
 
 class EngineAsleep(RuntimeError):
@@ -160,6 +161,7 @@ class Engine:
         if start < -1 or start >= len(input_ids):
             raise InvalidRequest(f"logprob_start_len must be -1 or a prompt position in [0, {len(input_ids)}), got {start}")
         return GenerateInput(
+            lora=self._lora_name(getattr(body, "lora_path", None)),
             input_ids=list(input_ids),
             params=params,
             rid=body.rid or uuid.uuid4().hex,
@@ -169,6 +171,21 @@ class Engine:
             top_logprobs_num=top if body.return_logprob else 0,
             return_text_in_logprobs=bool(body.return_text_in_logprobs),
         )
+
+    def _lora_name(self, lora_path: Any) -> str | None:
+        """SGLang's ``lora_path``: the name of a loaded adapter (a list: one per prompt of a batch)."""
+        if isinstance(lora_path, list):
+            if len(lora_path) != 1:
+                raise InvalidRequest("lora_path as a list names one adapter per prompt; the embedded engine takes "
+                                     "one prompt per request, so send a string (or a list of one)")
+            lora_path = lora_path[0]
+        if not lora_path:
+            return None
+        loaded = self.scheduler.adapters.paths()
+        if lora_path not in loaded:  # SGLang 0.5.19 TokenizerManager._resolve_lora_path's refusal
+            raise InvalidRequest(f"Got LoRA adapter that has never been loaded: {lora_path}. "
+                                 f"All loaded adapters: {sorted(loaded)}.")
+        return lora_path
 
     def check_awake(self) -> None:
         released = self.scheduler.memory.released
@@ -194,6 +211,7 @@ class Engine:
             top_logprobs_num=inp.top_logprobs_num,
             input_logprobs=inp.return_logprob and inp.logprob_start_len >= 0,
             grammar=self._matcher(inp),
+            lora=inp.lora,
         )
         self.scheduler.submit(req)
         finished = False
@@ -438,7 +456,9 @@ class Engine:
     def server_info(self) -> dict[str, Any]:
         memory = self.scheduler.memory
         state = {**self.scheduler.stats.as_dict(), **self.scheduler.counts(), "paused": self.scheduler.paused,
-                 "memory_released": sorted(memory.released), **device_memory(memory.device)}
+                 "memory_released": sorted(memory.released), "decoding_held": self.scheduler.held(),
+                 "num_pending_weight_updates": self.scheduler.pending_swaps(),
+                 **device_memory(memory.device)}
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.tokenizer_path,

@@ -21,7 +21,7 @@ def engine_process(*extra: str, startup_timeout: float = 120.0) -> Iterator[str]
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would block the engine
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentrl", "engine", "--model", "tiny", "--port", str(port), *extra],
+        [sys.executable, "-m", "agentrl", "engine", "--model", "tiny", "--port", str(port), "--test-hooks", *extra],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -79,28 +79,30 @@ def reference_logprobs(model, prompt: list[int], output: list[int]) -> list[floa
 
 @contextmanager
 def running_generation(url: str) -> Iterator[list[str]]:
-    """A streamed generation as long as the engine's context allows, running for the whole block (its first
-    event has arrived, and it is not finished); aborted afterwards. Yields its ``data:`` lines so far."""
+    """A streamed generation held by the engine (``--test-hooks``) at its first token for the whole block:
+    running and unfinished however fast the machine is; aborted afterwards. Yields its ``data:`` lines."""
     import threading
 
-    room = int(httpx.get(url + "/get_server_info", timeout=10).json()["context_length"]) - 3
+    from tests.engine_hooks import held_decoding, wait_for, wait_held
+
     events: list[str] = []
     body = {"input_ids": [1, 2, 3], "stream": True,
-            "sampling_params": {"max_new_tokens": room, "ignore_eos": True, "temperature": 0.0}}
+            "sampling_params": {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0.0}}
 
     def read() -> None:
         with httpx.stream("POST", url + "/generate", json=body, timeout=120) as resp:
             events.extend(line for line in resp.iter_lines() if line.startswith("data: "))
 
     reader = threading.Thread(target=read)
-    reader.start()
     try:
-        deadline = time.monotonic() + 60
-        while not events and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert events, "the engine streamed nothing"
-        assert '"finish_reason":null' in events[0].replace(" ", ""), events[0]  # running, not refused
-        yield events
+        with held_decoding(url, 1):
+            reader.start()
+            wait_held(url)
+            wait_for(lambda: events, "the first streamed event")
+            assert '"finish_reason":null' in events[0].replace(" ", ""), events[0]  # running, not refused
+            yield events
+            httpx.post(url + "/abort_request", json={"abort_all": True}, timeout=60)
     finally:
         httpx.post(url + "/abort_request", json={"abort_all": True}, timeout=60)
-        reader.join(60)
+        if reader.is_alive():
+            reader.join(60)

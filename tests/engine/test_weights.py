@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.engine.conftest import reference_logprobs
+from tests.engine_hooks import engine_state, held_decoding, wait_for, wait_held
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 30, 2, 198, 1, 4093]
 EOS = 2  # <|im_end|>
@@ -122,12 +122,15 @@ def test_a_request_in_flight_finishes_under_one_version(url, eos_model_dir, tiny
     results = {}
     worker = threading.Thread(target=lambda: results.setdefault(
         "long", httpx.post(url + "/generate", json=body, timeout=120).json()))
-    worker.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(url + "/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert update_from_disk(url, eos_model_dir).json()["success"] is True
+    updates: dict = {}
+    updater = threading.Thread(target=lambda: updates.setdefault("r", update_from_disk(url, eos_model_dir)))
+    with held_decoding(url, 10):  # the update reaches the scheduler while the request is provably running
+        worker.start()
+        wait_held(url)
+        updater.start()
+        wait_for(lambda: engine_state(url)["num_pending_weight_updates"] == 1, "the update to wait for the drain")
+    updater.join(timeout=120)
+    assert updates["r"].json()["success"] is True
     worker.join(timeout=60)
     long = results["long"]
     assert long["meta_info"]["finish_reason"] == {"type": "length", "length": 120}  # not aborted
@@ -212,12 +215,12 @@ def test_a_retracted_request_survives_a_disk_push_and_reports_both_versions(url,
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        deadline = time.monotonic() + 60
-        while len(chunks) < 3:
-            assert time.monotonic() < deadline, "the engine streamed nothing"
-            time.sleep(0.02)
-        assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=60).status_code == 200
+        with held_decoding(url, 3):  # the story is running at 3 tokens when the pause lands
+            wait_held(url)
+            assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=60).status_code == 200
+        wait_for(lambda: len(chunks) >= 3, "the third streamed chunk")
         held = len(chunks[-1]["output_ids"])
+        assert held == 3
         assert update_from_disk(url, eos_model_dir, flush_cache=False).json()["success"] is True
     finally:
         httpx.post(url + "/continue_generation", json={}, timeout=60)

@@ -83,7 +83,7 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     with Processes(tmp_path_factory.mktemp("engine-logs")) as procs:
         child = procs.start(f"engine-{port}", [sys.executable, "-m", "agentrl", "engine", "--model", "tiny",
-                                               "--port", str(port), "--max-running-requests", "32"])
+                                               "--port", str(port), "--max-running-requests", "32", "--test-hooks"])
         url = f"http://127.0.0.1:{port}"
         procs.wait_healthy(child, url + "/health", timeout_s=120)
         yield url

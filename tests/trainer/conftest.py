@@ -16,7 +16,7 @@ from tests.conftest import free_port
 def start_engine(procs: Processes, *extra: str) -> str:
     port = free_port()
     child = procs.start(f"engine-{port}", [sys.executable, "-m", "agentrl", "engine", "--model", "tiny",
-                                           "--port", str(port), *extra])
+                                           "--port", str(port), "--test-hooks", *extra])
     url = f"http://127.0.0.1:{port}"
     procs.wait_healthy(child, url + "/health", timeout_s=180)
     return url

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from gateway.store import Store
+from tests.engine_hooks import held_decoding, wait_for, wait_held
 from tests.trainer.conftest import trainer_logprobs
 from trainer.model import load_model
 from trainer.weight_sync import DiskSync, GatewayControl, push_weights
@@ -46,6 +46,9 @@ def long_story(session: dict, max_tokens: int) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
+HELD = 20  # output tokens the engine holds a story at while a push lands (tests/engine_hooks.py)
+
+
 def perturb(model: torch.nn.Module) -> None:
     """New weights for version 1 (seeded noise)."""
     torch.manual_seed(0)
@@ -56,25 +59,19 @@ def perturb(model: torch.nn.Module) -> None:
 
 @pytest.mark.slow
 def test_request_in_flight_during_a_push_completes_with_tokens_of_both_versions(
-        gateway_factory, tiny_model_dir, dist_info, tmp_path):
+        gateway_factory, trainer_engine, tiny_model_dir, dist_info, tmp_path):
     gw = gateway_factory()
     model = load_model(tiny_model_dir)
     session = gw.create_session(group_id="inflight")
-    thread, result = long_story(session, max_tokens=400)
-    with gw.admin() as admin:  # wait until the generation is running on the engine
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if any(e["in_flight"] for e in admin.get("/admin/engines").json()["engines"]):
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the request never reached the engine")
-    time.sleep(1.0)  # let it generate some tokens under version 0
-
     perturb(model)
     http = httpx.Client(timeout=120)
-    push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
-                 control=GatewayControl(gw.base_url, gw.admin_key, client=http))
+    # the story is held by the engine at HELD tokens (version 0) while the push lands, whatever the machine's
+    # speed; after the push the re-sent story is held again at HELD new tokens until the release
+    with held_decoding(trainer_engine, HELD):
+        thread, result = long_story(session, max_tokens=400)
+        wait_held(trainer_engine)
+        push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
+                     control=GatewayControl(gw.base_url, gw.admin_key, client=http))
     thread.join(timeout=240)
     assert not thread.is_alive()
     reply = result["reply"]
@@ -85,7 +82,7 @@ def test_request_in_flight_during_a_push_completes_with_tokens_of_both_versions(
     assert versions[0] == 0 and versions[-1] == 1, versions
     assert versions == sorted(versions)  # one switch, from 0 to 1
     switch = versions.index(1)
-    assert 0 < switch < len(versions)
+    assert switch == HELD  # the held tokens are version 0, the re-sent segment version 1
     prompt, output = list(turn.prompt_ids), list(turn.output_ids)
     recorded = torch.tensor(turn.output_logprobs)
     new = trainer_logprobs(model, prompt, output)
@@ -110,25 +107,14 @@ def test_a_push_without_the_gateway_keeps_the_request_in_the_engine_and_records_
     gw = gateway_factory()
     model = load_model(tiny_model_dir)
     session = gw.create_session(group_id="direct")
-    # up to 1,500 tokens: the tiny model on CPU makes 300 in well under a second, so a 300-token story could
-    # finish before the push and test nothing (at seed 5 its first 300 tokens hold no EOS; the check below
-    # says so if a story ever ends before the push)
-    thread, result = long_story(session, max_tokens=1500)
-
-    def running() -> int:
-        return httpx.get(f"{trainer_engine}/get_server_info").json()["internal_states"][0]["num_running_reqs"]
-
-    deadline = time.monotonic() + 60
-    while running() == 0:
-        assert time.monotonic() < deadline, "the request never reached the engine"
-        time.sleep(0.05)
-    time.sleep(0.3)  # some tokens under version 0
-
+    # at seed 5 the tiny model's first 300 tokens hold no EOS, so the story reaches the hold
     perturb(model)
-    assert running() == 1, "the story ended before the push: nothing would be tested"
     http = httpx.Client(timeout=120)
-    push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
-                 control=DirectControl([trainer_engine], client=http))
+    with held_decoding(trainer_engine, HELD):  # running, at HELD tokens of version 0, when the push lands
+        thread, result = long_story(session, max_tokens=400)
+        wait_held(trainer_engine)
+        push_weights(model, 1, info=dist_info, transport=DiskSync(tmp_path / "sync", tiny_model_dir, http),
+                     control=DirectControl([trainer_engine], client=http))
     thread.join(timeout=240)
     assert not thread.is_alive() and result["reply"].choices[0].finish_reason in ("stop", "length")
 
@@ -136,6 +122,7 @@ def test_a_push_without_the_gateway_keeps_the_request_in_the_engine_and_records_
     versions = list(turn.output_versions)
     assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions), versions
     switch = versions.index(1)
+    assert switch == HELD  # retracted at HELD tokens, re-prefilled under version 1
     prompt, output = list(turn.prompt_ids), list(turn.output_ids)
     recorded = torch.tensor(turn.output_logprobs)
     old = trainer_logprobs(load_model(tiny_model_dir), prompt, output)
@@ -173,8 +160,9 @@ def test_colocated_step_frees_the_engine_and_a_request_sent_meanwhile_waits_for_
         assert state["memory_released"] == ["kv_cache", "weights"]
         thread = threading.Thread(target=agent)
         thread.start()
-        time.sleep(1.0)
-        assert "reply" not in result  # held by the paused gateway
+        with gw.admin() as admin:  # the request reached the gateway and is held there, not refused
+            wait_for(lambda: admin.get("/admin/engines").json()["held"] == 1, "the gateway to hold the request")
+        assert "reply" not in result
         torch.manual_seed(0)
         with torch.no_grad():
             for p in model.parameters():
