@@ -56,7 +56,9 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agentrl import defaults
 from agentrl.settings import SettingsError
@@ -77,6 +79,7 @@ from gateway.queue import QueuedGroup, RedisQueue, SqlQueue, TrajectoryQueue, le
 from gateway.staleness import StalenessControl
 from gateway.store import GroupRecord, Marker, SessionRecord, Store
 from gateway.store import errors as store_errors
+from gateway.store.dberrors import translate
 
 log = logging.getLogger("agentrl.gateway.lifecycle")
 ENV_PREFIX = "AGENTRL_GATEWAY_"
@@ -176,7 +179,8 @@ class ExportStats:
     acks: int = 0
     groups_acked: int = 0
     ticks: int = 0
-    tick_errors: int = 0
+    tick_errors: int = 0  # ticks that failed, for any reason
+    tick_outages: int = 0  # of those, ticks that failed because Redis or the database was unavailable
     last_tick_ms: float = 0.0  # wall time of the last complete tick (bench/soak.py reports it)
 
 
@@ -335,6 +339,24 @@ class InFlight:
         return out
 
 
+def outage_of(exc: BaseException) -> str | None:
+    """``"Redis"`` or ``"the database"`` when ``exc`` says that one is unavailable (a lost connection, a
+    timeout, a server shutting down: what a retry later cures), else None (a bug). Redis is named when
+    a Redis error is anywhere in the chain (the store raises its own StoreUnavailable from one)."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if any(isinstance(e, (RedisConnectionError, RedisTimeoutError)) for e in chain):
+        return "Redis"
+    if any(isinstance(e, (store_errors.StoreUnavailable, errors.StoreUnavailable)) for e in chain):
+        return "Redis" if any(isinstance(e, RedisError) for e in chain) else "the database"
+    if isinstance(translate(exc), store_errors.StoreUnavailable):
+        return "the database"
+    return None
+
+
 def _is_eval(metadata: dict[str, Any] | None) -> bool:
     return bool(metadata and metadata.get("eval") is True)
 
@@ -452,6 +474,8 @@ class TrajectoryService:
         self.leading = False  # whether the last tick held the leader lock
         self._leader_key = f"{store.redis_prefix}lifecycle:leader"
         self.fault_points: dict[str, BaseException] = {}  # tests only: see _fault
+        # the dependency whose outage the loop's ticks fail on (logged once), since when, tick_outages then
+        self._outage: tuple[str, float, int] | None = None
 
     # ------------------------------------------------------------------------------- the loop
 
@@ -490,9 +514,10 @@ class TrajectoryService:
                 await self.tick(upkeep=woken or ticks % self.UPKEEP_EVERY_TICKS == 0)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the loop must outlive a database hiccup; the error is logged
-                self.stats.tick_errors += 1
-                log.exception("lifecycle tick failed")
+            except Exception as exc:  # the loop must outlive a database hiccup; the error is logged
+                self._tick_failed(exc)
+            else:
+                self._tick_done()
             ticks += 1
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -516,6 +541,31 @@ class TrajectoryService:
                     await self._wake.wait()
             except TimeoutError:
                 pass
+
+    def _tick_failed(self, exc: Exception) -> None:
+        """Log a failed tick: a bug with its traceback every time; an outage of Redis or the database once,
+        when it starts (and again if the other one fails instead), then only counted (``tick_outages``)
+        until a tick succeeds. While Redis was down the loop logged a full traceback every 0.5 s tick."""
+        self.stats.tick_errors += 1
+        dependency = outage_of(exc)
+        if dependency is None:
+            log.exception("lifecycle tick failed")
+            return
+        self.stats.tick_outages += 1
+        if self._outage is not None and self._outage[0] == dependency:
+            return
+        self._outage = (dependency, time.monotonic(), self.stats.tick_outages - 1)
+        log.warning("lifecycle: %s is unavailable (%s: %s); ticks fail until it is back (counted in "
+                    "tick_outages, logged once)", dependency, type(exc).__name__, exc)
+
+    def _tick_done(self) -> None:
+        """A tick succeeded: say so once if it ends an outage."""
+        if self._outage is None:
+            return
+        dependency, since, before = self._outage
+        self._outage = None
+        log.warning("lifecycle: %s is back; %d tick(s) failed over %.1f s", dependency,
+                    self.stats.tick_outages - before, time.monotonic() - since)
 
     async def _is_leader(self) -> bool:
         """Take or keep the leader lock: one atomic step (a holder's renewal cannot extend a lock that

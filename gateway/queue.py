@@ -202,6 +202,14 @@ async def _translate(what: str) -> AsyncIterator[None]:
         raise errors.StoreUnavailable(f"trajectory queue unavailable during {what}: {exc}") from exc
 
 
+def _lost_group(exc: BaseException | None) -> bool:
+    """Redis answered that the queue's stream or its consumer group does not exist."""
+    import redis.exceptions
+
+    text = str(exc)
+    return isinstance(exc, redis.exceptions.ResponseError) and ("NOGROUP" in text or "no such key" in text.lower())
+
+
 # ---------------------------------------------------------------------------------------------- SQL
 
 
@@ -451,6 +459,19 @@ class RedisQueue:
     def notify(self) -> None:
         self._waiter.notify()
 
+    @asynccontextmanager
+    async def _translate(self, what: str) -> AsyncIterator[None]:
+        """:func:`_translate`, and a stream or consumer group that Redis no longer has (it restarted
+        without its data) is created again by the next call: until then every lease, count and upkeep
+        failed with NOGROUP / "no such key", for as long as the gateway ran."""
+        try:
+            async with _translate(what):
+                yield
+        except errors.StoreUnavailable as exc:
+            if _lost_group(exc.__cause__):
+                self._group_ready = False
+            raise
+
     async def close(self) -> None:
         return None
 
@@ -470,7 +491,7 @@ class RedisQueue:
         await self.redis.xadd(self.stream, {"meta": group._meta_json(), "payload": group.payload})
 
     async def put(self, group: QueuedGroup) -> bool:
-        async with _translate("put"):
+        async with self._translate("put"):
             await self._ensure_group()
             added = await self._put(keys=[self.keys, self.stream],
                                     args=[group.group_key, group._meta_json(), group.payload])
@@ -490,7 +511,7 @@ class RedisQueue:
         await self.put(group)
         assert self.engine is not None
         q = queue_table
-        async with _translate("publish"):
+        async with self._translate("publish"):
             async with self.engine.begin() as conn:
                 await conn.execute(q.delete().where(q.c.group_key == group.group_key, q.c.status == "outbox"))
 
@@ -499,7 +520,7 @@ class RedisQueue:
         if self.engine is None:
             return 0
         q = queue_table
-        async with _translate("sweep"):
+        async with self._translate("sweep"):
             async with self.engine.connect() as conn:
                 rows = (await conn.execute(sa.select(q).where(q.c.status == "outbox").order_by(q.c.id))).mappings().all()
         for row in rows:
@@ -547,7 +568,7 @@ class RedisQueue:
         lease_id = "lease-" + uuid.uuid4().hex
         end = time.monotonic() + wait_s
         got: list[tuple[bytes, QueuedGroup]] = []
-        async with _translate("lease"):
+        async with self._translate("lease"):
             await self._ensure_group()
             while True:
                 got += await self._take(lease_id, max_groups - len(got), min_version)
@@ -580,7 +601,7 @@ class RedisQueue:
         return Lease(id=lease_id, deadline=deadline_ms / 1000, groups=groups)
 
     async def ack(self, lease_id: str) -> int:
-        async with _translate("ack"):
+        async with self._translate("ack"):
             await self._ensure_group()
             (code,) = await self._ack(keys=[self._lease_prefix + lease_id, self.stream], args=[self.GROUP, lease_id])
         if code == -1:
@@ -596,7 +617,7 @@ class RedisQueue:
     async def maintain(self, *, min_version: int | None, max_held_s: float) -> Maintenance:
         out = Maintenance()
         now = time.time()
-        async with _translate("maintenance"):
+        async with self._translate("maintenance"):
             await self._ensure_group()
             held = await self.redis.hgetall(self.held_meta)
             for key, raw in held.items():
@@ -629,7 +650,7 @@ class RedisQueue:
 
     async def counts(self) -> QueueCounts:
         out = QueueCounts()
-        async with _translate("counts"):
+        async with self._translate("counts"):
             await self._ensure_group()
             summary = await self.redis.xpending(self.stream, self.GROUP)
             out.leased = int(summary["pending"])
