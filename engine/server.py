@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
+from engine import lora_routes
 from engine.memory import MemoryStateError
 from engine.sampling import InvalidRequest
 from engine.scheduler import PAUSE_MODES
@@ -49,6 +50,7 @@ class GenerateIn(Wire):
     return_text_in_logprobs: StrictBool = False
     stream: StrictBool = False
     rid: StrictStr | None = None
+    lora_path: StrictStr | list[StrictStr | None] | None = None  # a loaded LoRA adapter's name (engine/lora.py)
 
 
 class PauseIn(Wire):
@@ -237,7 +239,10 @@ def create_app(engine: Engine) -> FastAPI:
     async def models() -> dict[str, Any]:
         card = {"id": engine.settings.model, "object": "model", "owned_by": "agentrl", "root": engine.model_path,
                 "max_model_len": engine.context_length}
-        return {"object": "list", "data": [card]}
+        # SGLang 0.5.19 lists each loaded adapter after the base model, its parent
+        adapters = [{"id": name, "object": "model", "owned_by": "agentrl", "root": path, "parent": card["id"],
+                     "max_model_len": None} for name, path in engine.scheduler.adapters.paths().items()]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -363,4 +368,5 @@ def create_app(engine: Engine) -> FastAPI:
             return _weight_result(False, f"Failed to update weights: {exc}. The old weights keep serving.")
         return _weight_result(True, f"Succeeded to update parameter online. Weight version updated to {version}.")
 
+    lora_routes.add_routes(app, engine)  # /load_lora_adapter, /load_lora_adapter_from_tensors, /unload_lora_adapter
     return app

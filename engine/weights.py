@@ -109,6 +109,23 @@ class _TensorUnpickler(pickle.Unpickler):
         raise WeightUpdateError(f"refused to unpickle {module}.{name}: the payload may hold only named torch tensors")
 
 
+def unpickle_tensors(serialized_named_tensors: list[str]):
+    """``serialized_named_tensors[0]`` (one tensor-parallel rank): base64 of a ``ForkingPickler`` dump holding
+    torch tensors in plain containers (CUDA IPC handles, or shared-memory files for CPU tensors)."""
+    if not serialized_named_tensors:
+        raise WeightUpdateError("serialized_named_tensors is empty: send one base64 payload per tensor-parallel rank")
+    try:
+        raw = base64.b64decode(serialized_named_tensors[0], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WeightUpdateError(f"serialized_named_tensors[0] is not base64: {exc}") from exc
+    try:
+        return _TensorUnpickler(io.BytesIO(raw)).load()
+    except WeightUpdateError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - unpickling and rebuilding handles raise many kinds
+        raise WeightUpdateError(f"cannot rebuild the tensors (same machine and GPU as the sender?): {exc!r}") from exc
+
+
 def decode_named_tensors(model, serialized_named_tensors: list[str], load_format: str | None) -> dict[str, torch.Tensor]:
     """The payload of SGLang's ``/update_weights_from_tensor`` -> checked named tensors (not yet copied).
 
@@ -118,18 +135,7 @@ def decode_named_tensors(model, serialized_named_tensors: list[str], load_format
     """
     if load_format not in (None, "direct"):
         raise WeightUpdateError(f"load_format {load_format!r} is not supported here; send null (a list of (name, tensor))")
-    if not serialized_named_tensors:
-        raise WeightUpdateError("serialized_named_tensors is empty: send one base64 payload per tensor-parallel rank")
-    try:
-        raw = base64.b64decode(serialized_named_tensors[0], validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise WeightUpdateError(f"serialized_named_tensors[0] is not base64: {exc}") from exc
-    try:
-        named = _TensorUnpickler(io.BytesIO(raw)).load()
-    except WeightUpdateError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - unpickling and rebuilding handles raise many kinds
-        raise WeightUpdateError(f"cannot rebuild the tensors (same machine and GPU as the sender?): {exc!r}") from exc
+    named = unpickle_tensors(serialized_named_tensors)
     if not isinstance(named, (list, tuple)) or not all(
             isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
             for p in named):
