@@ -17,6 +17,7 @@ from gateway.binding import session_for
 from gateway.chat.errors import ChatFormatError
 from gateway.chat.normalize import validate_messages
 from gateway.context import services
+from gateway.episodes import link_request
 from gateway.errors import from_chat_error
 from gateway.formats import messages as fmt
 from gateway.routes.common import SSE_HEADERS, caller, direct, json_body, json_response, read_json, unless_disconnected
@@ -33,14 +34,17 @@ async def create_message(request: Request) -> Response:
     session = await session_for(who, request.path_params.get("session_id"), svc.store)
     conv = fmt.to_conversation(req, svc.settings.unsupported_tools == "reject")
     chat = fmt.to_chat_request(req, conv)
+    link = await link_request(request, svc, who, session, req, "messages")  # sub-agents, compaction: issue 33
     service = GenerationService(svc, owner=who.owner)
     if req.stream:
         plan, runs, events = await unless_disconnected(
-            request, service.stream_turn(chat, session, id_prefix="msg_", meta=fmt.recorded_meta(conv)))
+            request, service.stream_turn(chat, link.session, id_prefix="msg_", meta=link.meta(fmt.recorded_meta(conv))))
         stream = fmt.MessageStream(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
-        return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(stream.render(link.watch(events, runs)), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
     plan, runs = await unless_disconnected(
-        request, service.run_turn(chat, session, id_prefix="msg_", meta=fmt.recorded_meta(conv)))
+        request, service.run_turn(chat, link.session, id_prefix="msg_", meta=link.meta(fmt.recorded_meta(conv))))
+    await link.recorded(runs)
     return json_response(fmt.render_message(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer))
 
 

@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway.binding import session_for
 from gateway.context import services
+from gateway.episodes import compaction, link_request
 from gateway.errors import from_store_error
 from gateway.formats import responses as fmt
 from gateway.formats.common import conversation_of, load_turn
@@ -34,17 +35,29 @@ async def create_response(request: Request) -> Response:
     if req.previous_response_id is not None:
         previous = await load_turn(svc.store, who, req.previous_response_id, "previous_response_id")
         history = await conversation_of(svc.store, previous, "previous_response_id")
+    link = await link_request(request, svc, who, session, req, "responses")  # sub-agents, compaction: issue 33
+    req, compacting = compaction.prepare(req)  # remote compaction v2 items (gateway.episodes.compaction)
     conv = fmt.to_conversation(req, history, svc.settings.unsupported_tools == "reject")
+    if compacting:
+        conv.tool_choice = "none"
     chat = fmt.to_chat_request(req, conv)
     service = GenerationService(svc, owner=who.owner)
+    meta = link.meta(fmt.recorded_meta(conv))
     if req.stream:
         plan, runs, events = await unless_disconnected(
-            request, service.stream_turn(chat, session, id_prefix="resp_", meta=fmt.recorded_meta(conv)))
+            request, service.stream_turn(chat, link.session, id_prefix="resp_", meta=meta))
+        events = link.watch(events, runs)
+        if compacting:
+            body = compaction.stream(fmt, req, runs[0], len(plan.prompt), svc.model_name, events)
+            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         stream = fmt.ResponseStream(req, conv, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
         return StreamingResponse(stream.render(events), media_type="text/event-stream", headers=SSE_HEADERS)
     created = time.time()
     plan, runs = await unless_disconnected(
-        request, service.run_turn(chat, session, id_prefix="resp_", meta=fmt.recorded_meta(conv)))
+        request, service.run_turn(chat, link.session, id_prefix="resp_", meta=meta))
+    await link.recorded(runs)
+    if compacting:
+        return json_response(compaction.render(fmt, req, runs[0], len(plan.prompt), svc.model_name, created))
     return json_response(fmt.render_response(req, conv, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer,
                                      created))
 
