@@ -34,6 +34,12 @@ class EngineSettings:
                           "SGLang (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) it waits behind a pause"},
     )
     log_level: str = field(default="warning", metadata={"help": "uvicorn/engine log level (debug, info, warning)"})
+    default_lora: str = field(
+        default="",
+        metadata={"help": "serve requests that name no adapter (no lora_path) with this LoRA adapter once it is loaded "
+                          "(the base model until then): a LoRA trainer's pushes then reach a gateway that names no "
+                          "adapter. An agentrl extension; SGLang and vLLM need every request to name it (docs/lora.md)"},
+    )
     test_hooks: bool = field(
         default=False,
         metadata={"help": "serve /test/hold_decoding and /test/release_decoding, which hold decoding at a token "

@@ -179,9 +179,9 @@ class Engine:
                 raise InvalidRequest("lora_path as a list names one adapter per prompt; the embedded engine takes "
                                      "one prompt per request, so send a string (or a list of one)")
             lora_path = lora_path[0]
-        if not lora_path:
-            return None
         loaded = self.scheduler.adapters.paths()
+        if not lora_path:  # --default-lora: the trained adapter once a trainer pushed it, else the base
+            return self.settings.default_lora if self.settings.default_lora in loaded else None
         if lora_path not in loaded:  # SGLang 0.5.19 TokenizerManager._resolve_lora_path's refusal
             raise InvalidRequest(f"Got LoRA adapter that has never been loaded: {lora_path}. "
                                  f"All loaded adapters: {sorted(loaded)}.")

@@ -3,6 +3,8 @@
 Layout of ``<checkpoint_dir>/step_<NNNNNN>/``::
 
     model.safetensors, config.json, tokenizer files   HF format (rank 0 writes the gathered full weights)
+      or, for a LoRA run (trainer/lora.py):
+    adapter_config.json, adapter_model.safetensors      the adapter only, in peft's layout (float32)
     optimizer/                                          torch.distributed.checkpoint of the sharded AdamW state
     trainer_state.json                                  {"step", "version", "seen_rows", ...}; written last
 
@@ -56,12 +58,20 @@ def save(checkpoint_dir: str | Path, state: TrainerState, model: torch.nn.Module
     """Collective: write a checkpoint of ``model``/``optimizer`` at ``state.step``; returns its directory.
 
     Older complete checkpoints beyond the newest ``keep`` are deleted (0 keeps every one)."""
+    from trainer import lora
+
     path = step_dir(checkpoint_dir, state.step)
-    tensors = iter_full_tensors(model, to_cpu=True)
-    if info.is_main:
+    config = lora.config_of(model)
+    if config is not None:  # the frozen base is the model directory's own: only the adapter is saved
+        tensors = lora.adapter_tensors(model, to_cpu=True)
+    else:
+        tensors = iter_full_tensors(model, to_cpu=True)
+    if info.is_main and config is not None:
+        lora.save_adapter(dict(tensors), config, path)
+    elif info.is_main:
         save_hf_dir(tensors, model.config, path, Path(source_dir) if source_dir else None)
     else:
-        for _ in tensors:
+        for _ in tensors:  # take part in every gather
             pass
     if info.world_size > 1:
         dist.barrier()

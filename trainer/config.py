@@ -59,6 +59,12 @@ class TrainerSettings:
     gamma: float = field(default=-1.0, metadata=_h("discount along each root-to-leaf path to recompute a row's return from its raw turn rewards; -1 = use the reward the gateway exported"))
     staleness_bound: int = field(default=defaults.STALENESS_BOUND, metadata=_h("k: the gateway leases rows at most k versions older than the trainer, and admits sessions accordingly"))
 
+    # LoRA (docs/lora.md): train a peft adapter on the frozen base instead of every weight; pushes send the adapter
+    lora_rank: int = field(default=0, metadata=_h("train a LoRA adapter of this rank on the frozen base model (0 = full fine-tuning); only the adapter gets gradients and optimizer state, and only it is pushed and checkpointed (peft's layout)"))
+    lora_alpha: float = field(default=32.0, metadata=_h("LoRA scaling numerator: the adapter adds lora_alpha / lora_rank x B A x"))
+    lora_targets: list[str] = field(default_factory=lambda: ["all-linear"], metadata=_h("module names to adapt (e.g. q_proj v_proj), or all-linear (every linear layer of the decoder, not the LM head)"))
+    lora_name: str = field(default="policy", metadata=_h("the adapter's name on the engines (/load_lora_adapter lora_name; requests name it as lora_path)"))
+
     # weights out
     sync_mode: str = field(default="disk", metadata=_h("how weights reach the engines: disk (save + /update_weights_from_disk), broadcast (/update_weights_from_distributed over a process group), tensor (/update_weights_from_tensor: CUDA IPC handles, engines on the trainer's GPU), none", choices=SYNC_MODES))
     release_memory: str = field(default="none", metadata=_h("engines sharing the trainer's GPU: during each train step generation is paused and the engines free this memory (SGLang's /release_memory_occupation): none, kv_cache, or all (KV cache and weights); taken back before the weight push", choices=tuple(RELEASE_MEMORY)))
@@ -132,11 +138,31 @@ class TrainerSettings:
                 f"release_memory={self.release_memory} pauses generation through the gateway and takes the engines' "
                 "memory back before pushing the new weights: it needs --gateway and a --sync-mode other than none"
             )
+        if self.lora_rank < 0:
+            raise SettingsError(f"lora_rank={self.lora_rank}: use 0 (full fine-tuning) or a positive rank, e.g. --lora-rank 16")
+        if self.lora_rank and not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
+            raise SettingsError(f"lora_alpha={self.lora_alpha}: use a positive scale, e.g. --lora-alpha 32")
+        if self.lora_rank and not self.lora_targets:
+            raise SettingsError("lora_targets is empty: give module names (e.g. --lora-targets q_proj v_proj) or all-linear")
+        if self.lora_rank and self.sync_mode == "broadcast":
+            raise SettingsError(
+                "--lora-rank with --sync-mode broadcast: adapters are pushed by disk (/load_lora_adapter) or by tensor "
+                "handles (/load_lora_adapter_from_tensors); use --sync-mode disk or tensor"
+            )
+        if self.lora_rank and not self.lora_name.strip():
+            raise SettingsError("lora_name is empty: the engines need a name for the adapter, e.g. --lora-name policy")
         if self.sync_mode != "none" and not (self.gateway or self.engine_urls):
             raise SettingsError(
                 f"sync_mode={self.sync_mode} needs somewhere to push weights: give --gateway URL (engines are asked "
                 "from it) or --engine-urls, or use --sync-mode none"
             )
+
+    @property
+    def lora(self):
+        """The :class:`trainer.lora.LoraSpec` of a LoRA run, or None for full fine-tuning."""
+        from trainer.lora import LoraSpec
+
+        return LoraSpec(self.lora_rank, self.lora_alpha, tuple(self.lora_targets)) if self.lora_rank else None
 
     @property
     def is_cap_or_none(self) -> float | None:

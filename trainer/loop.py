@@ -26,7 +26,7 @@ import httpx
 import torch
 
 from agentrl.trajectory import decode_batch
-from trainer import checkpoint
+from trainer import checkpoint, lora, lora_push
 from agentrl.settings import SettingsError
 from trainer.config import RELEASE_MEMORY, TrainerSettings
 from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, describe_batch, drop_duplicates
@@ -51,7 +51,10 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
     torch.manual_seed(settings.seed)
     model_dir = resolve_model(settings.model)
     resume_from = checkpoint.latest(settings.checkpoint_dir) if settings.resume else None
-    model = load_model(resume_from or model_dir, dtype=settings.dtype, device=info.device, compile=settings.compile)
+    # a LoRA run loads the base model and the checkpoint's adapter (trainer/lora.py)
+    adapter = lora.resume_adapter(resume_from, settings.lora)
+    model = load_model(model_dir if settings.lora else resume_from or model_dir, dtype=settings.dtype,
+                       device=info.device, compile=settings.compile, lora=settings.lora, adapter=adapter)
     optimizer = build_optimizer(model, settings, info.device)
     state = checkpoint.TrainerState()
     if resume_from is not None:
@@ -61,6 +64,11 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
     http = http or httpx.Client(timeout=120.0)
     leases = LeaseClient(settings.gateway, settings.admin_key, client=http) if info.is_main else None
     control, transport = build_sync(settings, model_dir, info, http)
+    push = push_weights
+    if settings.lora and transport is not None:  # only the adapter goes to the engines (trainer/lora_push.py)
+        transport = lora_push.AdapterSync(settings.lora_name, settings.sync_mode, client=http,
+                                          sync_dir=Path(settings.sync_dir or Path(settings.checkpoint_dir) / "sync"))
+        push = lora_push.push_adapter
     if control is None and info.is_main:
         # Nothing is pushed, so the served weights keep their version: telling the gateway a new version
         # after each step would hold every row generated since as stale (and announce weights that do not
@@ -68,8 +76,9 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
         log.warning("--sync-mode none: weights are never pushed; the gateway's weight version and staleness "
                     "budget are left alone (this trainer does not register with POST /admin/trainer)")
     announce_trainer(control, settings, state.version, info)
-    if resume_from is not None and transport is not None:  # engines may have restarted on the base weights
-        push_weights(model, state.version, info=info, transport=transport, control=control,
+    # engines may have restarted on the base weights; a LoRA run's adapter must be there before requests name it
+    if (resume_from is not None or settings.lora) and transport is not None:
+        push(model, state.version, info=info, transport=transport, control=control,
                      retries=settings.sync_retries)
     metrics_out = open_metrics(settings, info)
     idle_since = explained_at = time.monotonic()
@@ -104,7 +113,7 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
                 metrics = train_step(model, optimizer, rows, settings, info, version=state.version)
             metrics.update(released)
             if transport is not None:
-                pushed = push_weights(model, state.version + 1, info=info, transport=transport, control=control,
+                pushed = push(model, state.version + 1, info=info, transport=transport, control=control,
                                       retries=settings.sync_retries)
                 metrics.update({"sync/seconds": pushed.seconds, "sync/paused_s": pushed.paused_s,
                                 "sync/gb_per_s": pushed.gb_per_s,

@@ -72,7 +72,8 @@ def close_distributed(*, finished: bool) -> None:
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device | None = None,
-               compile: bool = False, fsdp: bool | None = None) -> torch.nn.Module:
+               compile: bool = False, fsdp: bool | None = None, lora=None,
+               adapter: str | Path | None = None) -> torch.nn.Module:
     """Load a Hugging Face causal LM and shard it with FSDP2 over the default process group (several ranks).
 
     Parameters (and optimizer state) stay float32; ``dtype="bfloat16"`` computes in bfloat16 (the usual
@@ -81,6 +82,11 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device
     ``fsdp``: None = FSDP2 only with several ranks; True = also with one (the earlier one-GPU path, kept
     for comparison). ``compile``: :func:`compile_body`. The model gets the packed logprob method of
     :mod:`trainer.packing`.
+
+    ``lora`` (a :class:`trainer.lora.LoraSpec`): train a LoRA adapter on the frozen base at ``path``
+    (:mod:`trainer.lora`); ``adapter``: a saved adapter directory to start from (a resumed run). With one rank
+    and bfloat16 compute the frozen base is held in bfloat16 only (no float32 copy), the adapter as float32
+    masters with bfloat16 shadows.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -96,6 +102,16 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: torch.device
     model.config.use_cache = False
     compute = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     several = dist.get_world_size() > 1 if dist.is_initialized() else False
+    if lora is not None:
+        from trainer import lora as lora_mod
+
+        lora_mod.apply(model, lora, base_path=path)
+        if adapter is not None:
+            lora_mod.load_adapter(model, adapter)
+        if compute != torch.float32 and not (several or fsdp):
+            for param in model.parameters():  # the frozen base needs no float32 master: one bf16 copy
+                if not param.requires_grad:
+                    param.data = param.data.to(compute)
     if several or fsdp:
         model = shard(model, compute_dtype=compute)
     elif compute != torch.float32:
@@ -178,9 +194,10 @@ def token_logprobs(
 
 
 def build_optimizer(model: torch.nn.Module, settings, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the (sharded, float32) parameters; the fused kernel on GPUs (one launch per step, which
+    """AdamW over the (sharded, float32) trained parameters; the fused kernel on GPUs (one launch per step, which
     also applies the gradient clipping of ``trainer.step``: no separate pass over the gradients)."""
-    return torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
+    trained = [p for p in model.parameters() if p.requires_grad]  # a LoRA run: the adapter only
+    return torch.optim.AdamW(trained, lr=settings.lr, weight_decay=settings.weight_decay,
                              fused=device.type == "cuda")
 
 

@@ -35,8 +35,8 @@ class Shadow:
         self.slots: list[tuple[torch.nn.Module, str, int]] = []  # (module, parameter name, index of the leaf)
         for module in model.modules():
             for name, param in module._parameters.items():
-                if param is None:
-                    continue
+                if param is None or (param.dtype == dtype and not param.requires_grad):
+                    continue  # frozen and already in the compute dtype (a LoRA run's base): used as it is
                 k = by_id.get(id(param))
                 if k is None:
                     k = by_id[id(param)] = len(self.masters)
