@@ -15,8 +15,10 @@ talks to the model through its own OpenAI-compatible base URL, which binds its t
                     await episode.reward(score(r), response_id=r.id)   # or episode.reward(x): whole episode
             await asyncio.gather(*(one(e) for e in group))
 
-`Gateway` is the same with plain methods (``with``, ``episode.openai()``). For other SDKs, an episode's
-``base_url`` (``.../sessions/<id>/v1``) and ``api_key`` are all they need.
+`Gateway` is the same with plain methods (``with``, ``episode.openai()``: an ``openai.OpenAI``); its episodes
+have no ``async_openai()`` (an ``AsyncOpenAI`` is closed by awaiting, which they cannot do): asyncio code
+uses `AsyncGateway`. For other SDKs, an episode's ``base_url`` (``.../sessions/<id>/v1``) and ``api_key``
+are all they need. Both clients run the same code for every operation; only the HTTP call differs.
 
 Leaving a group's ``with`` block finishes every episode still open; an exception abandons the whole
 group (its sessions are never trained on, and their places in the budget are freed). The same holds for
@@ -201,11 +203,88 @@ def _check_url(url: str) -> str:
     return url
 
 
-class _EpisodeBase:
-    """What sync and async episodes share: identity, state and the per-episode OpenAI clients."""
+# ------------------------------------------------------------------ one code path for sync and async
+#
+# Every operation (the served model, reserving a group, a reward, finishing, abandoning) is written once,
+# as a generator of steps: it yields what it needs done, a `_Request` to the gateway or a `_Close` of an
+# SDK client, and is sent the result (or has the error thrown into it). `Gateway` runs these generators
+# with blocking calls, `AsyncGateway` with awaited ones; only `__init__` and `request` (the retry loop,
+# which sleeps) differ between the two, so the two clients cannot drift apart.
 
-    def __init__(self, session: _Session, *, group_id: str, task_id: str | None, model: str,
-                 sdk_http: Any = None, async_sdk_http: Any = None) -> None:
+T = TypeVar("T")
+Steps = Generator[Any, Any, T]
+
+
+@dataclass(frozen=True)
+class _Request:
+    method: str
+    path: str
+    json: Any = None
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class _Close:
+    client: Any  # an SDK client made for an episode without a shared connection pool
+
+
+def _advance(steps: Steps[T], value: Any, error: Exception | None) -> tuple[bool, Any]:
+    """(done, the result) or (not done, the next step)."""
+    try:
+        return False, (steps.throw(error) if error is not None else steps.send(value))
+    except StopIteration as stop:
+        return True, stop.value
+
+
+class _GatewayBase:
+    """What `Gateway` and `AsyncGateway` share; each adds ``request`` and a driver for the steps."""
+
+    def __init__(self, url: str, key: str, *, down_wait_s: float, admission_wait_s: float, sdk_http: Any) -> None:
+        self.url = _check_url(url)
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.down_wait_s = down_wait_s
+        self.admission_wait_s = admission_wait_s
+        self.counters = Counters()
+        self._sdk_http = sdk_http  # an httpx2 client shared by the episodes' OpenAI SDK clients
+        self._model: str | None = None
+
+    def _attempts(self, method: str, path: str) -> _Attempts:
+        return _Attempts(f"{method} {self.url}{path}", self.down_wait_s, self.admission_wait_s, self.counters)
+
+    def _headers(self, key: str | None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"} if key else self.headers
+
+    def _model_steps(self) -> Steps[str]:
+        if self._model is None:
+            data = (yield _Request("GET", "/v1/models")).json().get("data") or []
+            if not data:
+                raise GatewayError("GET /v1/models lists no model")
+            self._model = str(data[0]["id"])
+        return self._model
+
+    def _group_steps(self, body: dict[str, Any], task_id: str | None) -> Steps[Any]:
+        model = yield from self._model_steps()
+        created = (yield _Request("POST", "/v1/groups", json=body)).json()
+        group_id = str(created["group_id"])
+        episodes = [self._episode(self, s, group_id=group_id, task_id=task_id, model=model)
+                    for s in _sessions_of(self.url, created)]
+        return self._group(self, group_id, task_id, episodes)
+
+    def _reward_steps(self, response_id: str, value: float) -> Steps[None]:
+        yield _Request("POST", "/reward", json=_reward_body(value, "", response_id))
+
+    def _group_status_steps(self, group_id: str) -> Steps[dict[str, Any]]:
+        return dict((yield _Request("GET", f"/v1/groups/{group_id}")).json())
+
+    _episode: type[_EpisodeBase]
+    _group: type[_GroupBase[Any]]
+
+
+class _EpisodeBase:
+    """What sync and async episodes share: identity, state, and the steps of reward, finish and abandon."""
+
+    def __init__(self, gateway: Any, session: _Session, *, group_id: str, task_id: str | None, model: str) -> None:
+        self.gateway = gateway
         self.session_id = session.session_id
         self.api_key = session.api_key
         self.base_url = session.base_url  # OpenAI-compatible: .../sessions/<id>/v1, for any SDK
@@ -216,35 +295,45 @@ class _EpisodeBase:
         self.eval = False  # set by runners: an evaluation episode (recorded, never trained on)
         self.temperature = 1.0  # set by runners: the sampling temperature asked for (0 when evaluating)
         self.rewards: list[tuple[str | None, float]] = []  # (response_id or None for the episode, reward)
-        self._sdk_http = sdk_http
-        self._async_sdk_http = async_sdk_http
         self._owned: list[Any] = []  # SDK clients made here without a shared connection pool
 
     @property
     def active(self) -> bool:
         return self.status == "active"
 
+    def _sdk(self, cls: Any, shared_http: Any, kwargs: dict[str, Any]) -> Any:
+        if shared_http is not None:
+            kwargs.setdefault("http_client", shared_http)
+        client = cls(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        if "http_client" not in kwargs:
+            self._owned.append(client)
+        return client
+
     def openai(self, **kwargs: Any) -> Any:
         """An ``openai.OpenAI`` bound to this episode (extra keyword arguments go to its constructor)."""
         import openai
 
-        if self._sdk_http is not None:
-            kwargs.setdefault("http_client", self._sdk_http)
-        client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
-        if "http_client" not in kwargs:
-            self._owned.append(client)
-        return client
+        return self._sdk(openai.OpenAI, self._openai_http(), kwargs)
 
-    def async_openai(self, **kwargs: Any) -> Any:
-        """An ``openai.AsyncOpenAI`` bound to this episode (extra keyword arguments go to its constructor)."""
-        import openai
+    def _openai_http(self) -> Any:
+        """The shared connection pool for ``openai()``'s clients: the gateway's ``sdk_http`` where it is a sync one."""
+        return None
 
-        if self._async_sdk_http is not None:
-            kwargs.setdefault("http_client", self._async_sdk_http)
-        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
-        if "http_client" not in kwargs:
-            self._owned.append(client)
-        return client
+    def _reward_steps(self, value: float, response_id: str | None) -> Steps[None]:
+        yield _Request("POST", "/reward", json=_reward_body(value, self.session_id, response_id), key=self.api_key)
+        self.rewards.append((response_id, float(value)))
+
+    def _end_steps(self, action: str) -> Steps[None]:
+        """``finish`` or ``abandon`` this episode (idempotent), then close the SDK clients made for it."""
+        if self.active:
+            yield _Request("POST", f"/v1/sessions/{self.session_id}/{action}")
+            self.status = "finished" if action == "finish" else "abandoned"
+        yield from self._close_owned_steps()
+
+    def _close_owned_steps(self) -> Steps[None]:
+        owned, self._owned = self._owned, []
+        for client in owned:
+            yield _Close(client)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.session_id} group={self.group_id} task={self.task_id} {self.status}>"
@@ -254,7 +343,8 @@ E = TypeVar("E", bound=_EpisodeBase)
 
 
 class _GroupBase(Generic[E]):
-    def __init__(self, group_id: str, task_id: str | None, episodes: list[E]) -> None:
+    def __init__(self, gateway: Any, group_id: str, task_id: str | None, episodes: list[E]) -> None:
+        self.gateway = gateway
         self.group_id = group_id
         self.task_id = task_id
         self.episodes = episodes
@@ -272,37 +362,61 @@ class _GroupBase(Generic[E]):
     def __getitem__(self, i: int) -> E:
         return self.episodes[i]
 
+    def _finish_steps(self) -> Steps[None]:
+        for episode in self.episodes:
+            yield from episode._end_steps("finish")
+
+    def _abandon_steps(self) -> Steps[None]:
+        yield _Request("POST", f"/v1/groups/{self.group_id}/abandon")
+        for episode in self.episodes:
+            if episode.active:
+                episode.status = "abandoned"
+            yield from episode._close_owned_steps()
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.group_id} task={self.task_id} size={self.size}>"
+
+
+def _end_steps(thing: _EpisodeBase | _GroupBase[Any], exc: BaseException | None) -> Steps[None]:
+    """Leaving a ``with`` block: finish on success, abandon on an exception (whose report wins)."""
+    if isinstance(exc, GatewayUnavailable):  # abandoning would wait for the same dead gateway; its timeout cleans up
+        return
+    try:
+        if isinstance(thing, _GroupBase):
+            yield from (thing._finish_steps() if exc is None else thing._abandon_steps())
+        else:
+            yield from thing._end_steps("finish" if exc is None else "abandon")
+    except GatewayError:
+        if exc is None:
+            raise
+        log.warning("could not abandon %r after %r", thing, exc)  # the original error matters more
 
 
 # ------------------------------------------------------------------------------------------- sync
 
 
-class Gateway:
-    """The gateway's session API, synchronous. ``key``: the admin key (or one allowed to create groups)."""
+class Gateway(_GatewayBase):
+    """The gateway's session API, synchronous. ``key``: the admin key (or one allowed to create groups).
+
+    Its episodes hand out ``openai.OpenAI`` clients (``episode.openai()``); for ``openai.AsyncOpenAI``
+    use `AsyncGateway`, whose episodes are awaited.
+    """
 
     def __init__(self, url: str, key: str, *, timeout_s: float = 60.0, down_wait_s: float = 120.0,
                  admission_wait_s: float = 3600.0, http: httpx.Client | None = None,
                  sdk_http: Any = None) -> None:
-        self.url = _check_url(url)
-        self.headers = {"Authorization": f"Bearer {key}"}
-        self.down_wait_s = down_wait_s
-        self.admission_wait_s = admission_wait_s
-        self.counters = Counters()
+        super().__init__(url, key, down_wait_s=down_wait_s, admission_wait_s=admission_wait_s, sdk_http=sdk_http)
         self._http = http or httpx.Client(timeout=timeout_s)
         self._owns_http = http is None
-        self._sdk_http = sdk_http  # an httpx2.Client shared by the episodes' openai.OpenAI clients
-        self._model: str | None = None
 
     def request(self, method: str, path: str, *, json: Any = None, key: str | None = None,
                 params: dict[str, Any] | None = None) -> httpx.Response:
         """One call with the retry policy of the module docstring; returns the 2xx response."""
-        headers = {"Authorization": f"Bearer {key}"} if key else self.headers
-        attempts = _Attempts(f"{method} {self.url}{path}", self.down_wait_s, self.admission_wait_s, self.counters)
+        attempts = self._attempts(method, path)
         while True:
             try:
-                response = self._http.request(method, self.url + path, json=json, headers=headers, params=params)
+                response = self._http.request(method, self.url + path, json=json, headers=self._headers(key),
+                                              params=params)
             except httpx.TransportError as exc:
                 wait = attempts.next_wait(None, exc)
             else:
@@ -312,32 +426,39 @@ class Gateway:
             assert wait is not None
             time.sleep(wait)
 
+    def _run(self, steps: Steps[T]) -> T:
+        value: Any = None
+        error: Exception | None = None
+        while True:
+            done, step = _advance(steps, value, error)
+            if done:
+                return step  # type: ignore[no-any-return]
+            try:
+                value, error = self._perform(step), None
+            except Exception as exc:  # noqa: BLE001 - thrown into the steps, which decide
+                value, error = None, exc
+
+    def _perform(self, step: _Request | _Close) -> Any:
+        if isinstance(step, _Close):
+            return step.client.close()
+        return self.request(step.method, step.path, json=step.json, key=step.key)
+
     def model(self) -> str:
         """The served model's name (first of ``GET /v1/models``), asked once."""
-        if self._model is None:
-            data = self.request("GET", "/v1/models").json().get("data") or []
-            if not data:
-                raise GatewayError("GET /v1/models lists no model")
-            self._model = str(data[0]["id"])
-        return self._model
+        return self._run(self._model_steps())
 
     def group(self, task_id: str | None = None, size: int = 4, *, group_id: str | None = None,
               metadata: dict[str, Any] | None = None, eval: bool = False) -> Group:
         """Reserve ``size`` episodes of ``task_id`` in one admission decision (waits out 429s)."""
-        body = _group_body(task_id, size, group_id, metadata, eval)
-        model = self.model()
-        created = self.request("POST", "/v1/groups", json=body).json()
-        episodes = [Episode(self, s, group_id=str(created["group_id"]), task_id=task_id, model=model,
-                            sdk_http=self._sdk_http) for s in _sessions_of(self.url, created)]
-        return Group(self, str(created["group_id"]), task_id, episodes)
+        return self._run(self._group_steps(_group_body(task_id, size, group_id, metadata, eval), task_id))
 
     def reward(self, response_id: str, value: float) -> None:
         """Reward one turn by its response id (``response.id``)."""
-        self.request("POST", "/reward", json=_reward_body(value, "", response_id))
+        self._run(self._reward_steps(response_id, value))
 
     def group_status(self, group_id: str) -> dict[str, Any]:
         """``GET /v1/groups/{id}``: the group's status and each session's status and reward."""
-        return dict(self.request("GET", f"/v1/groups/{group_id}").json())
+        return self._run(self._group_status_steps(group_id))
 
     def close(self) -> None:
         if self._owns_http:
@@ -353,108 +474,80 @@ class Gateway:
 class Episode(_EpisodeBase):
     """One session of a group (sync). ``with episode:`` finishes it on exit and abandons it on an error."""
 
-    def __init__(self, gateway: Gateway, session: _Session, **kw: Any) -> None:
-        super().__init__(session, **kw)
-        self.gateway = gateway
+    gateway: Gateway
+
+    def _openai_http(self) -> Any:
+        return self.gateway._sdk_http
+
+    def async_openai(self, **kwargs: Any) -> Any:
+        """Not here: an ``openai.AsyncOpenAI`` must be closed by awaiting, which a synchronous episode cannot
+        do. Use `AsyncGateway` (``async with AsyncGateway(url, key) as gateway``), whose episodes have it."""
+        raise TypeError("Episode.async_openai(): this episode belongs to the synchronous Gateway, which hands out "
+                        "openai.OpenAI clients (episode.openai()); for openai.AsyncOpenAI use AsyncGateway "
+                        "(async with AsyncGateway(url, key) as gateway: ... episode.async_openai())")
 
     def reward(self, value: float, *, response_id: str | None = None) -> None:
         """Reward one turn (``response_id``) or, without it, the whole episode."""
-        self.gateway.request("POST", "/reward", json=_reward_body(value, self.session_id, response_id),
-                             key=self.api_key)
-        self.rewards.append((response_id, float(value)))
+        self.gateway._run(self._reward_steps(value, response_id))
 
     def finish(self) -> None:
         """Done: the session waits for the rest of its group, then goes to the trainer. Idempotent."""
-        if self.active:
-            self.gateway.request("POST", f"/v1/sessions/{self.session_id}/finish")
-            self.status = "finished"
-        self._close_owned()
+        self.gateway._run(self._end_steps("finish"))
 
     def abandon(self) -> None:
         """Give up: never trained on; its place in the budget is freed."""
-        if self.active:
-            self.gateway.request("POST", f"/v1/sessions/{self.session_id}/abandon")
-            self.status = "abandoned"
-        self._close_owned()
-
-    def _close_owned(self) -> None:
-        for client in self._owned:
-            client.close()
-        self._owned.clear()
+        self.gateway._run(self._end_steps("abandon"))
 
     def __enter__(self) -> Episode:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        _end_sync(self, exc)
+        self.gateway._run(_end_steps(self, exc))
 
 
 class Group(_GroupBase[Episode]):
     """A reserved group (sync). ``with group:`` finishes open episodes on exit, abandons all on an error."""
 
-    def __init__(self, gateway: Gateway, group_id: str, task_id: str | None, episodes: list[Episode]) -> None:
-        super().__init__(group_id, task_id, episodes)
-        self.gateway = gateway
+    gateway: Gateway
 
     def finish(self) -> None:
-        for episode in self.episodes:
-            episode.finish()
+        self.gateway._run(self._finish_steps())
 
     def abandon(self) -> None:
-        self.gateway.request("POST", f"/v1/groups/{self.group_id}/abandon")
-        for episode in self.episodes:
-            if episode.active:
-                episode.status = "abandoned"
-            episode._close_owned()
+        self.gateway._run(self._abandon_steps())
 
     def __enter__(self) -> Group:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        _end_sync(self, exc)
+        self.gateway._run(_end_steps(self, exc))
 
 
-def _end_sync(thing: Episode | Group, exc: BaseException | None) -> None:
-    if isinstance(exc, GatewayUnavailable):  # abandoning would wait for the same dead gateway; its timeout cleans up
-        return
-    try:
-        thing.finish() if exc is None else thing.abandon()
-    except GatewayError:
-        if exc is None:
-            raise
-        log.warning("could not abandon %r after %r", thing, exc)  # the original error matters more
+Gateway._episode, Gateway._group = Episode, Group  # what _group_steps builds for this client
 
 
 # ------------------------------------------------------------------------------------------ async
 
 
-class AsyncGateway:
+class AsyncGateway(_GatewayBase):
     """The gateway's session API for asyncio; the same methods as `Gateway`, awaited."""
 
     def __init__(self, url: str, key: str, *, timeout_s: float = 60.0, down_wait_s: float = 120.0,
                  admission_wait_s: float = 3600.0, http: httpx.AsyncClient | None = None,
                  sdk_http: Any = None) -> None:
-        self.url = _check_url(url)
-        self.headers = {"Authorization": f"Bearer {key}"}
-        self.down_wait_s = down_wait_s
-        self.admission_wait_s = admission_wait_s
-        self.counters = Counters()
+        super().__init__(url, key, down_wait_s=down_wait_s, admission_wait_s=admission_wait_s, sdk_http=sdk_http)
         self._http = http or httpx.AsyncClient(timeout=timeout_s)
         self._owns_http = http is None
-        self._sdk_http = sdk_http  # an httpx2.AsyncClient shared by the episodes' AsyncOpenAI clients
-        self._model: str | None = None
-        self._model_lock = asyncio.Lock()
 
     async def request(self, method: str, path: str, *, json: Any = None, key: str | None = None,
                       params: dict[str, Any] | None = None) -> httpx.Response:
         """One call with the retry policy of the module docstring; returns the 2xx response."""
-        headers = {"Authorization": f"Bearer {key}"} if key else self.headers
-        attempts = _Attempts(f"{method} {self.url}{path}", self.down_wait_s, self.admission_wait_s, self.counters)
+        attempts = self._attempts(method, path)
         while True:
             try:
-                response = await self._http.request(method, self.url + path, json=json, headers=headers,
+                response = await self._http.request(method, self.url + path, json=json, headers=self._headers(key),
                                                     params=params)
             except httpx.TransportError as exc:
                 wait = attempts.next_wait(None, exc)
@@ -465,15 +558,27 @@ class AsyncGateway:
             assert wait is not None
             await asyncio.sleep(wait)
 
+    async def _run(self, steps: Steps[T]) -> T:
+        value: Any = None
+        error: Exception | None = None
+        while True:
+            done, step = _advance(steps, value, error)
+            if done:
+                return step  # type: ignore[no-any-return]
+            try:
+                value, error = await self._perform(step), None
+            except Exception as exc:  # noqa: BLE001 - thrown into the steps, which decide
+                value, error = None, exc
+
+    async def _perform(self, step: _Request | _Close) -> Any:
+        if isinstance(step, _Close):
+            closed = step.client.close()
+            return await closed if asyncio.iscoroutine(closed) else closed
+        return await self.request(step.method, step.path, json=step.json, key=step.key)
+
     async def model(self) -> str:
         """The served model's name (first of ``GET /v1/models``), asked once."""
-        async with self._model_lock:
-            if self._model is None:
-                data = (await self.request("GET", "/v1/models")).json().get("data") or []
-                if not data:
-                    raise GatewayError("GET /v1/models lists no model")
-                self._model = str(data[0]["id"])
-        return self._model
+        return await self._run(self._model_steps())
 
     def group(self, task_id: str | None = None, size: int = 4, *, group_id: str | None = None,
               metadata: dict[str, Any] | None = None, eval: bool = False) -> _Reservation:
@@ -482,22 +587,16 @@ class AsyncGateway:
         ``async with gateway.group(...) as group:`` (finished / abandoned at the end of the block), or
         ``group = await gateway.group(...)`` to manage it yourself.
         """
-        return _Reservation(self._reserve(_group_body(task_id, size, group_id, metadata, eval), task_id))
-
-    async def _reserve(self, body: dict[str, Any], task_id: str | None) -> AsyncGroup:
-        model = await self.model()
-        created = (await self.request("POST", "/v1/groups", json=body)).json()
-        episodes = [AsyncEpisode(self, s, group_id=str(created["group_id"]), task_id=task_id, model=model,
-                                 async_sdk_http=self._sdk_http) for s in _sessions_of(self.url, created)]
-        return AsyncGroup(self, str(created["group_id"]), task_id, episodes)
+        body = _group_body(task_id, size, group_id, metadata, eval)
+        return _Reservation(self._run(self._group_steps(body, task_id)))
 
     async def reward(self, response_id: str, value: float) -> None:
         """Reward one turn by its response id (``response.id``)."""
-        await self.request("POST", "/reward", json=_reward_body(value, "", response_id))
+        await self._run(self._reward_steps(response_id, value))
 
     async def group_status(self, group_id: str) -> dict[str, Any]:
         """``GET /v1/groups/{id}``: the group's status and each session's status and reward."""
-        return dict((await self.request("GET", f"/v1/groups/{group_id}")).json())
+        return await self._run(self._group_status_steps(group_id))
 
     async def aclose(self) -> None:
         if self._owns_http:
@@ -527,84 +626,57 @@ class _Reservation:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         assert self._group is not None
-        await _end_async(self._group, exc)
+        await self._group.gateway._run(_end_steps(self._group, exc))
 
 
 class AsyncEpisode(_EpisodeBase):
     """One session of a group (async). ``async with episode:`` finishes it on exit, abandons it on an error."""
 
-    def __init__(self, gateway: AsyncGateway, session: _Session, **kw: Any) -> None:
-        super().__init__(session, **kw)
-        self.gateway = gateway
+    gateway: AsyncGateway
+
+    def async_openai(self, **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` bound to this episode (extra keyword arguments go to its constructor)."""
+        import openai
+
+        return self._sdk(openai.AsyncOpenAI, self.gateway._sdk_http, kwargs)
 
     async def reward(self, value: float, *, response_id: str | None = None) -> None:
         """Reward one turn (``response_id``) or, without it, the whole episode."""
-        await self.gateway.request("POST", "/reward", json=_reward_body(value, self.session_id, response_id),
-                                   key=self.api_key)
-        self.rewards.append((response_id, float(value)))
+        await self.gateway._run(self._reward_steps(value, response_id))
 
     async def finish(self) -> None:
         """Done: the session waits for the rest of its group, then goes to the trainer. Idempotent."""
-        if self.active:
-            await self.gateway.request("POST", f"/v1/sessions/{self.session_id}/finish")
-            self.status = "finished"
-        await self._close_owned()
+        await self.gateway._run(self._end_steps("finish"))
 
     async def abandon(self) -> None:
         """Give up: never trained on; its place in the budget is freed."""
-        if self.active:
-            await self.gateway.request("POST", f"/v1/sessions/{self.session_id}/abandon")
-            self.status = "abandoned"
-        await self._close_owned()
-
-    async def _close_owned(self) -> None:
-        for client in self._owned:
-            result = client.close()
-            if asyncio.iscoroutine(result):
-                await result
-        self._owned.clear()
+        await self.gateway._run(self._end_steps("abandon"))
 
     async def __aenter__(self) -> AsyncEpisode:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await _end_async(self, exc)
+        await self.gateway._run(_end_steps(self, exc))
 
 
 class AsyncGroup(_GroupBase[AsyncEpisode]):
     """A reserved group (async). ``async with group:`` finishes open episodes on exit, abandons all on error."""
 
-    def __init__(self, gateway: AsyncGateway, group_id: str, task_id: str | None,
-                 episodes: list[AsyncEpisode]) -> None:
-        super().__init__(group_id, task_id, episodes)
-        self.gateway = gateway
+    gateway: AsyncGateway
 
     async def finish(self) -> None:
-        for episode in self.episodes:
-            await episode.finish()
+        await self.gateway._run(self._finish_steps())
 
     async def abandon(self) -> None:
-        await self.gateway.request("POST", f"/v1/groups/{self.group_id}/abandon")
-        for episode in self.episodes:
-            if episode.active:
-                episode.status = "abandoned"
-            await episode._close_owned()
+        await self.gateway._run(self._abandon_steps())
 
     async def __aenter__(self) -> AsyncGroup:
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        await _end_async(self, exc)
+        await self.gateway._run(_end_steps(self, exc))
 
 
-async def _end_async(thing: AsyncEpisode | AsyncGroup, exc: BaseException | None) -> None:
-    if isinstance(exc, GatewayUnavailable):  # abandoning would wait for the same dead gateway; its timeout cleans up
-        return
-    try:
-        await (thing.finish() if exc is None else thing.abandon())
-    except GatewayError:
-        if exc is None:
-            raise
-        log.warning("could not abandon %r after %r", thing, exc)  # the original error matters more
+AsyncGateway._episode, AsyncGateway._group = AsyncEpisode, AsyncGroup

@@ -44,11 +44,6 @@ class EpisodeFnError(ValueError):
     """``--agent module:function`` does not name an async function; the message says how to fix it."""
 
 
-def is_episode_fn_spec(agent: str) -> bool:
-    """``module:function`` (a custom agent) rather than the name of an example agent."""
-    return ":" in agent
-
-
 def load_episode_fn(spec: str) -> EpisodeFn:
     """Import ``module:function`` (the working directory is importable, as for ``python -m``)."""
     module_name, _, name = spec.partition(":")
@@ -69,8 +64,9 @@ def load_episode_fn(spec: str) -> EpisodeFn:
     return fn  # type: ignore[no-any-return]
 
 
-def load_tasks(path: str | Path, *, limit: int = 0, offset: int = 0) -> list[dict[str, Any]]:
-    """Tasks from a JSONL file (one object per line; blank lines skipped), each with an ``id``."""
+def load_tasks(path: str | Path, *, limit: int = 0) -> list[dict[str, Any]]:
+    """Tasks from a JSONL file in file order (one object per line; blank lines skipped), each with an ``id``;
+    the first ``limit`` (0: all)."""
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
@@ -91,7 +87,6 @@ def load_tasks(path: str | Path, *, limit: int = 0, offset: int = 0) -> list[dic
         tasks.append(task)
     if not tasks:
         raise EpisodeFnError(f"{path} holds no tasks")
-    tasks = tasks[offset:] + tasks[:offset] if offset % len(tasks) else tasks  # wraps around for many steps
     return tasks[:limit] if limit else tasks
 
 
@@ -106,22 +101,35 @@ class EpisodeResults:
     def add(self, task_id: str, reward: float) -> None:
         self.rewards.setdefault(task_id, []).append(reward)
 
-    def summary(self, *, elapsed_s: float, backoffs_429: int, gateway_retries: int) -> dict[str, Any]:
+    def mean(self) -> float | None:
         values = [r for rs in self.rewards.values() for r in rs]
+        return sum(values) / len(values) if values else None
+
+    def postfix(self) -> dict[str, Any]:
+        mean = self.mean()
+        return {"reward": "-" if mean is None else f"{mean:.3f}", "failed": self.failed}
+
+    def summary(self, *, elapsed_s: float, backoffs_429: int, gateway_retries: int) -> dict[str, Any]:
+        """Rewards only: accuracy is the example agents' notion (agents.runner); an episode function has none."""
+        mean = self.mean()
         return {
-            "episodes": len(values), "failed": self.failed, "unrewarded": self.unrewarded,
-            "mean_reward": round(sum(values) / len(values), 4) if values else None,
-            "accuracy_turn1": None, "accuracy_final": None,  # the example agents' notions; yours has rewards
-            "mean_turns": None, "task_rewards": self.rewards, "backoffs_429": backoffs_429,
+            "episodes": sum(len(rs) for rs in self.rewards.values()), "failed": self.failed,
+            "unrewarded": self.unrewarded, "mean_reward": None if mean is None else round(mean, 4),
+            "task_rewards": self.rewards, "backoffs_429": backoffs_429,
             "gateway_retries": gateway_retries, "elapsed_s": round(elapsed_s, 1),
         }
 
 
 async def run_episodes(fn: EpisodeFn, tasks: Sequence[dict[str, Any]], *, gateway: str, key: str,
                        group_size: int, eval: bool = False, temperature: float = 1.0, concurrency: int = 8,
-                       metadata: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run ``fn`` ``group_size`` times on every task (one reserved group per task); return the summary."""
+                       metadata: dict[str, Any] | None = None, progress: bool = False) -> dict[str, Any]:
+    """Run ``fn`` ``group_size`` times on every task (one reserved group per task); return the summary.
+    ``progress``: a bar of episodes done, with the mean reward so far and the failures."""
+    from tqdm import tqdm
+
     results = EpisodeResults()
+    bar = tqdm(total=len(tasks) * group_size, desc="eval" if eval else "train", unit="episode",
+               disable=not progress, dynamic_ncols=True)
     started = time.monotonic()
     slots = asyncio.Semaphore(concurrency)
     # only as many groups are open as the slots can run, so admitted sessions track running agents
@@ -142,11 +150,14 @@ async def run_episodes(fn: EpisodeFn, tasks: Sequence[dict[str, Any]], *, gatewa
                     log.warning("episode of task %s failed (session %s abandoned): %r", task["id"],
                                 episode.session_id, exc)
                     results.failed += 1
+                    bar.update(1)
                     return
                 if not episode.rewards:
                     results.unrewarded += 1
                     log.warning("episode of task %s returned no reward and posted none", task["id"])
                 results.add(task["id"], episode.rewards[-1][1] if episode.rewards else 0.0)
+                bar.update(1)
+                bar.set_postfix(results.postfix(), refresh=False)
 
         async def group(task: dict[str, Any]) -> None:
             async with group_slots:
@@ -165,5 +176,7 @@ async def run_episodes(fn: EpisodeFn, tasks: Sequence[dict[str, Any]], *, gatewa
             while isinstance(error, BaseExceptionGroup):
                 error = error.exceptions[0]
             raise error from None
+        finally:
+            bar.close()
         return results.summary(elapsed_s=time.monotonic() - started, backoffs_429=gw.counters.backoffs_429,
                                gateway_retries=gw.counters.gateway_retries)

@@ -6,9 +6,12 @@ Runs your episode function (docs/own-agent.md) greedily (``client.temperature`` 
 on every task, first on the base model (``--model``), then on the checkpoint, behind one embedded engine
 and gateway: the checkpoint's weights are loaded into the engine between the two (``/update_weights_from_disk``,
 so the checkpoint must be of the base model's architecture). Evaluation sessions are recorded, never trained on. Reports each model's mean reward
-with a 95% confidence interval and the paired difference (checkpoint - base, per task) with its own; the
-difference is significant when its interval excludes 0. ``--checkpoint base`` evaluates the base model only.
-Writes ``eval.json`` in ``--out-dir``.
+over the tasks (a task's episodes averaged first) with a 95% interval, and the paired difference
+(checkpoint - base, per task) with its own; the difference is significant when its interval excludes 0.
+Intervals are 3 digits (agentrl.stats): Wilson's when every task's mean reward is 0 or 1, the normal
+approximation otherwise (rewards that are not 0/1, a task's repeats disagreeing, and every difference);
+``method`` in ``eval.json`` says which. ``--checkpoint base`` evaluates the base model only. Writes
+``eval.json`` in ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -16,18 +19,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import secrets
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from agentrl.settings import SettingsError, add_arguments, load
-
-Z95 = 1.959964  # two-sided 95% normal quantile
+from agentrl.command import add_command, run_command
+from agentrl.keys import new_key
+from agentrl.settings import SettingsError
+from agentrl.stats import mean_ci
 
 
 @dataclass
@@ -70,45 +71,24 @@ class EvalSettings:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("eval", help="your agent on your tasks: base model vs a checkpoint, with a 95%% CI",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser, EvalSettings)
-    parser.set_defaults(func=run)
+    add_command(sub, "eval", EvalSettings, run, description=__doc__,
+                help="your agent on your tasks: base model vs a checkpoint, with a 95%% CI")
 
 
 def run(args: argparse.Namespace) -> int:
     from agentrl.episodes import EpisodeFnError
     from agentrl.procs import ChildFailed
 
-    try:
-        settings = load(EvalSettings, args)
-        report = evaluate(settings)
-    except (SettingsError, EpisodeFnError) as exc:
-        print(f"agentrl eval: {exc}", file=sys.stderr)
-        return 2
-    except ChildFailed as exc:
-        print(f"agentrl eval: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\nagentrl eval: interrupted; every process it started has been stopped", file=sys.stderr)
-        return 130
-    print(format_report(report))
+    return run_command("eval", EvalSettings, args, _main,
+                       errors={SettingsError: 2, EpisodeFnError: 2, ChildFailed: 1})
+
+
+def _main(settings: EvalSettings) -> int:
+    print(format_report(evaluate(settings)))
     return 0
 
 
 # ------------------------------------------------------------------------------------------- statistics
-
-
-def mean_ci(values: list[float]) -> dict[str, Any]:
-    """Mean and 95% normal-approximation interval of ``values`` (the interval is None for fewer than 2)."""
-    n = len(values)
-    if n == 0:
-        return {"n": 0, "mean": None, "ci95": None}
-    mean = statistics.fmean(values)
-    if n < 2:
-        return {"n": n, "mean": mean, "ci95": None}
-    half = Z95 * statistics.stdev(values) / math.sqrt(n)
-    return {"n": n, "mean": round(mean, 6), "ci95": [round(mean - half, 6), round(mean + half, 6)]}
 
 
 def task_means(task_rewards: dict[str, list[float]]) -> dict[str, float]:
@@ -119,7 +99,7 @@ def compare(base: dict[str, list[float]], after: dict[str, list[float]]) -> dict
     """Paired by task: the difference of per-task mean rewards (after - base), over tasks both completed."""
     b, a = task_means(base), task_means(after)
     common = sorted(set(b) & set(a))
-    diff = mean_ci([a[t] - b[t] for t in common])
+    diff = mean_ci([a[t] - b[t] for t in common], proportion=False)
     lo_hi = diff["ci95"]
     diff["significant"] = bool(lo_hi and (lo_hi[0] > 0 or lo_hi[1] < 0))
     diff["tasks_compared"] = len(common)
@@ -149,8 +129,8 @@ def evaluate(settings: EvalSettings) -> dict[str, Any]:
             rewards = summary.pop("task_rewards")
             results[name] = {"model": model, "reward": mean_ci(list(task_means(rewards).values())),
                              "failed": summary["failed"], "episodes": summary["episodes"], "task_rewards": rewards}
-            print(f"[agentrl eval] {name}: mean reward {results[name]['reward']['mean']} "
-                  f"(95% CI {results[name]['reward']['ci95']}), {summary['failed']} failed", flush=True)
+            print(f"[agentrl eval] {name}: mean reward {_num(results[name]['reward']['mean'])} "
+                  f"(95% CI {_interval(results[name]['reward'])}), {summary['failed']} failed", flush=True)
     report: dict[str, Any] = {"agent": settings.agent, "dataset": settings.dataset, "tasks": len(tasks),
                               "repeats": settings.repeats, **results, "settings": asdict(settings)}
     if "checkpoint" in results:
@@ -168,22 +148,20 @@ class _Stack:
 
         self.settings = settings
         self.out = out
-        self.key = secrets.token_urlsafe(16)
+        self.key = new_key("admin")
         self.procs = Processes(out / "logs")
 
     def __enter__(self) -> _Stack:
-        from agentrl.up import _free_port
+        from agentrl.procs import free_port
+        from agentrl.stack import gateway_argv, start_engine, start_gateway
 
-        eport, gport = _free_port(), _free_port()
-        self.engine_url, self.url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{gport}"
         try:
-            engine = self.procs.start_agentrl("engine", ["engine", "--model", self.settings.model, "--port",
-                                                         str(eport), "--device", self.settings.device])
-            self.procs.wait_healthy(engine, self.engine_url + "/health", timeout_s=600)
-            gateway = self.procs.start_agentrl("gateway", [
-                "gateway", "--engine-url", self.engine_url, "--port", str(gport), "--admin-key", self.key,
-                "--db", f"sqlite+aiosqlite:///{self.out / 'gateway.db'}"])
-            self.procs.wait_healthy(gateway, self.url + "/health", timeout_s=300)
+            self.engine_url = start_engine(self.procs, model=self.settings.model, device=self.settings.device,
+                                           say=lambda msg: print(f"[agentrl eval] {msg}", flush=True))
+            gport = free_port()
+            self.url = f"http://127.0.0.1:{gport}"
+            start_gateway(self.procs, gateway_argv(engine_url=self.engine_url, port=gport, admin_key=self.key,
+                                                   db=f"sqlite+aiosqlite:///{self.out / 'gateway.db'}"), self.url)
         except BaseException:
             self.procs.stop_all()
             raise
@@ -211,20 +189,33 @@ class _Stack:
         return asyncio.run(run_episodes(fn, tasks, gateway=self.url, key=self.key, group_size=self.settings.repeats,
                                         eval=True, temperature=self.settings.temperature,
                                         concurrency=self.settings.concurrency,
-                                        metadata={"agent": self.settings.agent, "model": model}))
+                                        metadata={"agent": self.settings.agent, "model": model}, progress=True))
 
 
 def format_report(report: dict[str, Any]) -> str:
     def line(name: str) -> str:
         r = report[name]["reward"]
-        return f"  {name:<10} mean reward {r['mean']}  95% CI {r['ci95']}  ({report[name]['failed']} failed)  {report[name]['model']}"
+        return (f"  {name:<10} mean reward {_num(r['mean'])}  95% CI {_interval(r)}  ({report[name]['failed']} failed)  "
+                f"{report[name]['model']}")
 
     lines = ["", f"agentrl eval: {report['agent']} on {report['dataset']} ({report['tasks']} tasks x {report['repeats']})",
              line("base")]
     if "checkpoint" in report:
         d = report["difference"]
         lines += [line("checkpoint"),
-                  f"  difference (checkpoint - base, paired by task): {d['mean']}  95% CI {d['ci95']}  "
+                  f"  difference (checkpoint - base, paired by task): {_num(d['mean'])}  95% CI {_interval(d)}  "
                   f"{'significant' if d['significant'] else 'not significant'} over {d['tasks_compared']} tasks"]
     lines.append(f"  report: {report['out_dir']}/eval.json")
     return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _interval(stat: dict[str, Any]) -> str:
+    """``[0.095, 0.373] (Wilson)``; ``n/a`` for fewer than two tasks."""
+    if stat.get("ci95") is None:
+        return "n/a"
+    lo, hi = stat["ci95"]
+    return f"[{lo:.3f}, {hi:.3f}] ({'Wilson' if stat['method'] == 'wilson' else 'normal approx.'})"

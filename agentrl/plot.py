@@ -1,4 +1,5 @@
-"""The reward-curve PNG that `agentrl up` writes: per training step, mean reward and accuracy."""
+"""The reward-curve PNG that `agentrl up` writes: per training step, mean reward, and accuracy where the
+agent reports one (the example agents do; an episode function has only rewards)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ from pathlib import Path
 from typing import Any
 
 
-def reward_curve(steps: list[dict[str, Any]], path: Path, *, title: str, evals: dict[str, dict[str, Any]] | None = None,
-                 custom: bool = False) -> Path:
+def _values(steps: list[dict[str, Any]], key: str) -> list[float]:
+    return [float("nan") if s.get(key) is None else float(s[key]) for s in steps]
+
+
+def reward_curve(steps: list[dict[str, Any]], path: Path, *, title: str,
+                 evals: dict[str, dict[str, Any]] | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -15,13 +20,16 @@ def reward_curve(steps: list[dict[str, Any]], path: Path, *, title: str, evals: 
 
     xs = [s["step"] for s in steps]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ax.plot(xs, [s["mean_reward"] for s in steps], "o-", linewidth=2.5, alpha=0.6, label="mean reward (training rollouts)")
-    if not custom:  # the example agents' accuracies; your own agent has only rewards
-        ax.plot(xs, [s["turn1_accuracy"] for s in steps], "s--", label="turn-1 accuracy")
-        ax.plot(xs, [s["final_accuracy"] for s in steps], "^--", label="final accuracy (after retries)")
+    ax.plot(xs, _values(steps, "mean_reward"), "o-", linewidth=2.5, alpha=0.6,
+            label="mean episode reward (training rollouts)")
+    for key, style, label in (("accuracy_turn1", "s--", "turn-1 accuracy"),
+                              ("accuracy_final", "^--", "final accuracy (after retries)")):
+        if any(key in s for s in steps):
+            ax.plot(xs, _values(steps, key), style, label=label)
     for name, style in (("before", ":"), ("after", "-.")):
         if evals and name in evals:
-            key, what = ("mean_reward", "mean reward") if custom else ("accuracy_final", "final acc")
+            reported = evals[name].get("accuracy_final") is not None
+            key, what = ("accuracy_final", "final acc") if reported else ("mean_reward", "mean reward")
             acc = evals[name].get(key) or 0.0
             ax.axhline(acc, color="grey", linestyle=style, linewidth=1, label=f"eval {name} training ({what}): {acc:.2f}")
     ax.set_xlabel("training step (rollouts under weight version = step)")

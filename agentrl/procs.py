@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +45,34 @@ def die_with(parent_pid: int) -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it), for a child to bind."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def flags(**options: object) -> list[str]:
+    """Command-line flags for a child, each as one ``--name=value`` word (``admin_key`` -> ``--admin-key=...``).
+
+    One word per flag, because argparse reads a separate value that starts with ``-`` as the next option
+    (``--admin-key -x..`` fails with "expected one argument"); ``--name=value`` is never read that way.
+    None is left out, a bool is ``--name`` / ``--no-name``, a list repeats the flag once per item.
+    """
+    out: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            out += [f"{flag}={item}" for item in value]
+        else:
+            out.append(f"{flag}={value}")
+    return out
 
 
 class ChildFailed(RuntimeError):

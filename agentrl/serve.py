@@ -3,22 +3,24 @@
     agentrl serve --model smollm2 --port 8000
 
 Prints the gateway's URL and the keys to use, then trains on whatever groups the agents finish, until
-Ctrl-C (every process it started is stopped then). Agents use `agentrl.client` with the printed key
+Ctrl-C or SIGTERM (every process it started is stopped then). Agents use `agentrl.client` with the printed key
 (``Gateway(url, key).group(task, size)``), or any OpenAI SDK with the agent key (implicit episodes).
 """
 
 from __future__ import annotations
 
 import argparse
-import secrets
-import sys
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from agentrl import defaults
-from agentrl.settings import SettingsError, add_arguments, load
+from agentrl.command import add_command, run_command
+from agentrl.keys import new_key
+from agentrl.settings import SettingsError
+from agentrl.stack import gateway_argv, remove_sync_copies, start_engine, start_gateway, trainer_argv
 
 
 @dataclass
@@ -38,7 +40,11 @@ class ServeSettings:
     lr: float = field(default=defaults.LR, metadata={"help": "trainer learning rate"})
     gamma: float = field(default=defaults.GAMMA, metadata={"help": "discount along each root-to-leaf path (gateway)"})
     steps: int = field(default=0, metadata={"help": "trainer steps to run (0 = until Ctrl-C)"})
-    save_every: int = field(default=10, metadata={"help": "checkpoint every N steps (the newest few are kept)"})
+    save_every: int = field(default=10, metadata={"help": "checkpoint every N steps (the newest --keep-checkpoints are kept)"})
+    keep_checkpoints: int = field(default=defaults.KEEP_CHECKPOINTS, metadata={"help": "checkpoints the trainer keeps (the newest K; 0 keeps every one)"})
+    save_optimizer: bool = field(default=False, metadata={"help": "checkpoints also hold the optimizer state (about twice "
+                                                                  "the weights' size; needed only to resume training "
+                                                                  "exactly); default: weights and trainer state only"})
     out_dir: str = field(default="", metadata={"help": "logs, database, checkpoints (default runs/serve-<time>)"})
     db: str = field(default="", metadata={"help": "gateway database URL (default SQLite in out_dir)"})
     redis: str = field(default="", metadata={"help": "Redis URL for the gateway (default none)"})
@@ -50,85 +56,84 @@ class ServeSettings:
             raise SettingsError("--group-size must be at least 2: GRPO compares sessions within a group")
         if not 0 < self.port < 65536:
             raise SettingsError(f"--port {self.port} is not a valid TCP port")
-        self.admin_key = self.admin_key or secrets.token_urlsafe(16)
-        self.agent_key = self.agent_key or "agent-" + secrets.token_urlsafe(12)
+        if self.keep_checkpoints < 0:
+            raise SettingsError("--keep-checkpoints must be 0 (keep every one) or more")
+        self.admin_key = self.admin_key or new_key("admin")
+        self.agent_key = self.agent_key or new_key("agent")
         if self.admin_key == self.agent_key:
             raise SettingsError("--agent-key must differ from --admin-key")
         if not self.out_dir:
             self.out_dir = str(Path("runs") / time.strftime("serve-%Y%m%d-%H%M%S"))
 
+    @property
+    def public(self) -> str:
+        """The URL agents reach the gateway at."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return self.public_url or f"http://{host}:{self.port}"
+
+    @property
+    def local(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("serve", help="engine + gateway + trainer for agents that run elsewhere (until Ctrl-C)",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser, ServeSettings)
-    parser.set_defaults(func=run)
+    add_command(sub, "serve", ServeSettings, run, description=__doc__,
+                help="engine + gateway + trainer for agents that run elsewhere (until Ctrl-C)")
 
 
 def run(args: argparse.Namespace) -> int:
     from agentrl.procs import ChildFailed
 
-    try:
-        settings = load(ServeSettings, args)
-    except SettingsError as exc:
-        print(f"agentrl serve: {exc}", file=sys.stderr)
-        return 2
-    try:
-        serve(settings)
-    except KeyboardInterrupt:
-        print("\nagentrl serve: stopped; every process it started has been stopped", file=sys.stderr)
-        return 0
-    except ChildFailed as exc:
-        print(f"agentrl serve: {exc}", file=sys.stderr)
-        return 1
+    return run_command("serve", ServeSettings, args, _main, errors={ChildFailed: 1}, interrupted=0,
+                       interrupted_says="stopped; every process it started has been stopped")
+
+
+def _main(settings: ServeSettings) -> int:
+    serve(settings)
     return 0
 
 
-def serve(settings: ServeSettings) -> None:
-    """Start everything, print how to connect, and wait (until Ctrl-C, a child's death or the last step)."""
-    import json
+def child_argvs(settings: ServeSettings, out: Path, *, engine_url: str) -> dict[str, list[str]]:
+    """The gateway's and the trainer's command lines (the engine's is :func:`agentrl.stack.engine_argv`)."""
+    return {
+        "gateway": gateway_argv(engine_url=engine_url, db=settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}",
+                                host=settings.host, port=settings.port, public_url=settings.public,
+                                admin_key=settings.admin_key, agent_key=settings.agent_key, gamma=settings.gamma,
+                                redis=settings.redis or None),
+        "trainer": trainer_argv(gateway=settings.local, admin_key=settings.admin_key, model=settings.model,
+                                checkpoint_dir=out / "trainer", steps=settings.steps,
+                                group_size=settings.group_size, batch_groups=settings.batch_groups, lr=settings.lr,
+                                save_every=settings.save_every, device=settings.device, micro_batch_tokens=8192,
+                                keep_checkpoints=settings.keep_checkpoints, save_optimizer=settings.save_optimizer),
+    }
 
+
+def serve(settings: ServeSettings) -> None:
+    """Start everything, print how to connect, and wait (until Ctrl-C or SIGTERM, a child's death or the
+    last step)."""
     from agentrl.procs import Processes
-    from agentrl.up import _free_port
 
     out = Path(settings.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "settings.json").write_text(json.dumps({**asdict(settings), "admin_key": "***", "agent_key": "***"}, indent=2))
-    with Processes(out / "logs") as procs:
-        engine_url = settings.engine_url
-        if not engine_url:
-            port = _free_port()
-            print(f"[agentrl serve] starting engine ({settings.model}) on :{port}", flush=True)
-            engine = procs.start_agentrl("engine", ["engine", "--model", settings.model, "--port", str(port),
-                                                    "--device", settings.device])
-            engine_url = f"http://127.0.0.1:{port}"
-            procs.wait_healthy(engine, engine_url + "/health", timeout_s=600)
-        public = settings.public_url or f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '::') else settings.host}:{settings.port}"
-        local = f"http://127.0.0.1:{settings.port}"
-        db = settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}"
-        gateway_args = ["gateway", "--engine-url", engine_url, "--db", db, "--host", settings.host,
-                        "--port", str(settings.port), "--public-url", public, "--admin-key", settings.admin_key,
-                        "--agent-key", settings.agent_key, "--gamma", str(settings.gamma)]
-        if settings.redis:
-            gateway_args += ["--redis", settings.redis]
-        print(f"[agentrl serve] starting gateway on {public}", flush=True)
-        gateway = procs.start_agentrl("gateway", gateway_args)
-        procs.wait_healthy(gateway, local + "/health", timeout_s=300)
-        trainer = procs.start_agentrl("trainer", [
-            "train", "--gateway", local, "--admin-key", settings.admin_key, "--model", settings.model,
-            "--steps", str(settings.steps), "--group-size", str(settings.group_size),
-            "--batch-groups", str(settings.batch_groups), "--lr", str(settings.lr),
-            "--checkpoint-dir", str(out / "trainer"), "--save-every", str(settings.save_every),
-            "--device", settings.device, "--no-resume", "--micro-batch-tokens", "8192",
-        ])
-        print(connect_text(settings, public, out), flush=True)
-        while True:
-            if settings.steps and trainer.proc.poll() == 0:
-                print(f"[agentrl serve] the trainer finished its {settings.steps} steps; checkpoints in "
-                      f"{out / 'trainer'}", flush=True)
-                return
-            procs.check_alive()
-            time.sleep(1.0)
+    say = lambda msg: print(f"[agentrl serve] {msg}", flush=True)  # noqa: E731
+    try:
+        with Processes(out / "logs") as procs:
+            engine_url = settings.engine_url or start_engine(procs, model=settings.model, device=settings.device,
+                                                             say=say)
+            argvs = child_argvs(settings, out, engine_url=engine_url)
+            say(f"starting gateway on {settings.public}")
+            start_gateway(procs, argvs["gateway"], settings.local)
+            trainer = procs.start_agentrl("trainer", argvs["trainer"])
+            print(connect_text(settings, settings.public, out), flush=True)
+            while True:
+                if settings.steps and trainer.proc.poll() == 0:
+                    say(f"the trainer finished its {settings.steps} steps; checkpoints in {out / 'trainer'}")
+                    return
+                procs.check_alive()
+                time.sleep(1.0)
+    finally:
+        remove_sync_copies(out / "trainer")
 
 
 def connect_text(settings: ServeSettings, public: str, out: Path) -> str:
@@ -143,6 +148,6 @@ def connect_text(settings: ServeSettings, public: str, out: Path) -> str:
         f"{out / 'trainer' / 'metrics.jsonl'}",
         f"  logs:         {out / 'logs'}",
         f"  trace viewer: {public}/ui   (log in with the admin key)",
-        "Ctrl-C stops everything.",
+        "Ctrl-C (or SIGTERM) stops everything.",
         "",
     ])

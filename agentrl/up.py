@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import secrets
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,7 +27,11 @@ from typing import Any, ClassVar
 import httpx
 
 from agentrl import defaults
-from agentrl.settings import SettingsError, add_arguments, load
+from agentrl.command import add_command, run_command
+from agentrl.keys import new_key
+from agentrl.settings import SettingsError
+from agentrl.stack import gateway_argv, remove_sync_copies, start_engine, start_gateway, trainer_argv
+from agentrl.stats import wilson_interval
 
 
 @dataclass
@@ -38,7 +42,9 @@ class UpSettings:
 
     model: str = field(default="smollm2", metadata={"help": "smollm2, tiny or a Hugging Face model directory"})
     quick: bool = field(default=False, metadata={"help": "a run of a few minutes: fewer steps, prompts and evals"})
-    dataset: str = field(default="synthetic:1", metadata={"help": "training/eval task: synthetic[:DIFFICULTY] or gsm8k:PATH"})
+    dataset: str = field(default="synthetic:1", metadata={"help": "training tasks: FILE.jsonl (one JSON object per line, "
+                                                                  "with --agent module:function), synthetic[:DIFFICULTY] "
+                                                                  "or gsm8k:PATH (the example agents)"})
     agent: str = field(default="math", metadata={"help": "example agent: math (multi-turn with self-correction) or tools; "
                                                           "or your own: module:function, an async episode function "
                                                           "(docs/own-agent.md) run on --dataset FILE.jsonl"})
@@ -49,6 +55,8 @@ class UpSettings:
     group_size: int = field(default=defaults.GROUP_SIZE, metadata={"help": "sessions per prompt (a GRPO group); the trainer tells the gateway"})
     batch_groups: int = field(default=4, metadata={"help": "groups per trainer step (quick: 2)"})
     eval_limit: int = field(default=20, metadata={"help": "held-out prompts evaluated before and after training (quick: 8)"})
+    seed: int = field(default=0, metadata={"help": "seed of the order training tasks are taken in (FILE.jsonl, gsm8k)"})
+    keep_order: bool = field(default=False, metadata={"help": "take training tasks in file order instead of shuffled"})
     max_turns: int = field(default=2, metadata={"help": "model calls per episode (self-correction turns)"})
     max_tokens: int = field(default=96, metadata={"help": "max new tokens per model call"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature of training rollouts"})
@@ -56,6 +64,10 @@ class UpSettings:
     gamma: float = field(default=defaults.GAMMA, metadata={"help": "discount along each root-to-leaf path (set on the gateway, which exports the returns)"})
     concurrency: int = field(default=16, metadata={"help": "agents running at once"})
     out_dir: str = field(default="", metadata={"help": "where logs, summary, plot and checkpoint go (default runs/<time>)"})
+    keep_checkpoints: int = field(default=defaults.KEEP_CHECKPOINTS, metadata={"help": "checkpoints the trainer keeps (the newest K; 0 keeps every one)"})
+    save_optimizer: bool = field(default=False, metadata={"help": "checkpoints also hold the optimizer state (about twice "
+                                                                  "the weights' size; needed only to resume training "
+                                                                  "exactly); default: weights and trainer state only"})
     db: str = field(default="", metadata={"help": "gateway database URL (default SQLite in out_dir)"})
     redis: str = field(default="", metadata={"help": "Redis URL for the gateway (default none)"})
     engine_url: str = field(default="", metadata={"help": "use this SGLang/embedded engine instead of starting one"})
@@ -64,6 +76,11 @@ class UpSettings:
     sync_mode: str = field(default="auto", metadata={"help": "weight sync: disk, broadcast, tensor (CUDA IPC handles; engine and trainer on one GPU) or auto (tensor with --device cuda and the embedded engine, else disk)", "choices": ("auto", "disk", "broadcast", "tensor")})
     release_memory: str = field(default="none", metadata={"help": "during each train step the engine frees this GPU memory (none, kv_cache, or all: KV cache and weights) and takes it back before the weight push (SGLang's release/resume_memory_occupation)", "choices": ("none", "kv_cache", "all")})
     step_timeout_s: float = field(default=900.0, metadata={"help": "give up when one step takes longer than this"})
+
+    @property
+    def custom(self) -> bool:
+        """Your own episode function (``module:function``) rather than an example agent."""
+        return ":" in self.agent
 
     def validate(self) -> None:
         if self.sync_mode == "auto":  # colocated on one GPU: weights by CUDA IPC handles, no copy through disk
@@ -76,7 +93,9 @@ class UpSettings:
             raise SettingsError("--steps must be at least 1")
         if self.group_size < 2:
             raise SettingsError("--group-size must be at least 2: GRPO compares sessions within a group")
-        if ":" in self.agent:  # your own episode function: tasks come from a JSONL file
+        if self.keep_checkpoints < 0:
+            raise SettingsError("--keep-checkpoints must be 0 (keep every one) or more")
+        if self.custom:  # your own episode function: tasks come from a JSONL file
             if not self.dataset.endswith(".jsonl"):
                 raise SettingsError(f"--agent {self.agent} runs on your tasks: pass --dataset FILE.jsonl "
                                     f"(one JSON object per line), not {self.dataset!r}")
@@ -88,27 +107,16 @@ class UpSettings:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("up", help="the main job on one machine (embedded engine, SQLite, gateway, runner, trainer)",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser, UpSettings)
-    parser.set_defaults(func=run)
+    add_command(sub, "up", UpSettings, run, description=__doc__,
+                help="the main job on one machine (embedded engine, SQLite, gateway, runner, trainer)")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        settings = load(UpSettings, args)
-    except SettingsError as exc:
-        print(f"agentrl up: {exc}", file=sys.stderr)
-        return 2
-    try:
-        summary = up(settings)
-    except KeyboardInterrupt:
-        print("\nagentrl up: interrupted; every process it started has been stopped", file=sys.stderr)
-        return 130
-    except UpFailed as exc:
-        print(f"agentrl up: {exc}", file=sys.stderr)
-        return 1
-    print(format_summary(summary))
+    return run_command("up", UpSettings, args, _main, errors={UpFailed: 1})
+
+
+def _main(settings: UpSettings) -> int:
+    print(format_summary(up(settings)))
     return 0
 
 
@@ -116,82 +124,79 @@ class UpFailed(RuntimeError):
     """A component failed; the message names it and the end of its log."""
 
 
-def _free_port() -> int:
-    import socket
+@dataclass(frozen=True)
+class Keys:
+    """The run's two keys: the trainer's (pause/resume, leasing, trainer version) and the agents' (sessions,
+    groups, rewards only)."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    admin: str
+    runner: str
+
+    @classmethod
+    def new(cls) -> Keys:
+        return cls(new_key("admin"), new_key("runner"))
+
+
+def child_argvs(settings: UpSettings, out: Path, keys: Keys, *, engine_url: str, gateway_port: int) -> dict[str, list[str]]:
+    """The gateway's and the trainer's command lines (the engine's is :func:`agentrl.stack.engine_argv`)."""
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    return {
+        "gateway": gateway_argv(engine_url=engine_url, db=settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}",
+                                port=gateway_port, admin_key=keys.admin, runner_key=keys.runner,
+                                gamma=settings.gamma, redis=settings.redis or None),
+        "trainer": trainer_argv(gateway=gateway_url, admin_key=keys.admin, model=settings.model,
+                                checkpoint_dir=out / "trainer", steps=settings.steps,
+                                group_size=settings.group_size, batch_groups=settings.batch_groups, lr=settings.lr,
+                                sync_mode=settings.sync_mode, device=settings.device, micro_batch_tokens=4096,
+                                release_memory=settings.release_memory,
+                                keep_checkpoints=settings.keep_checkpoints, save_optimizer=settings.save_optimizer),
+    }
 
 
 def up(settings: UpSettings) -> dict[str, Any]:
-    from agentrl.procs import ChildFailed, Processes
+    from agentrl.procs import ChildFailed, Processes, free_port
 
     out = Path(settings.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "settings.json").write_text(json.dumps(asdict(settings), indent=2))
-    admin_key = secrets.token_urlsafe(16)  # the trainer's: pause/resume, leasing, trainer version
-    runner_key = "runner-" + secrets.token_urlsafe(16)  # the agents': sessions, groups, rewards only
+    keys = Keys.new()
     t0 = time.monotonic()
     say = lambda msg: print(f"[agentrl up {time.monotonic() - t0:6.0f}s] {msg}", flush=True)  # noqa: E731
+    tasks = training_tasks(settings)
 
     try:
         with Processes(out / "logs") as procs:
-            engine_url = settings.engine_url
-            if not engine_url:
-                port = _free_port()
-                say(f"starting engine ({settings.model}) on :{port}")
-                engine = procs.start_agentrl("engine", ["engine", "--model", settings.model, "--port", str(port),
-                                                        "--device", settings.device,
-                                                        "--max-running-requests", str(settings.engine_max_running)])
-                engine_url = f"http://127.0.0.1:{port}"
-                procs.wait_healthy(engine, engine_url + "/health", timeout_s=600)
-            gport = _free_port()
+            engine_url = settings.engine_url or start_engine(
+                procs, model=settings.model, device=settings.device, say=say,
+                max_running_requests=settings.engine_max_running)
+            gport = free_port()
             gateway_url = f"http://127.0.0.1:{gport}"
-            db = settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}"
-            gateway_args = ["gateway", "--engine-url", engine_url, "--db", db, "--port", str(gport),
-                            "--admin-key", admin_key, "--runner-key", runner_key, "--gamma", str(settings.gamma)]
-            if settings.redis:
-                gateway_args += ["--redis", settings.redis]
-            say(f"starting gateway on :{gport} (db {db})")
-            gateway = procs.start_agentrl("gateway", gateway_args)
-            procs.wait_healthy(gateway, gateway_url + "/health", timeout_s=300)
-
+            argvs = child_argvs(settings, out, keys, engine_url=engine_url, gateway_port=gport)
+            say(f"starting gateway on :{gport}")
+            start_gateway(procs, argvs["gateway"], gateway_url)
             say("starting trainer")
-            procs.start_agentrl("trainer", [
-                "train", "--gateway", gateway_url, "--admin-key", admin_key, "--model", settings.model,
-                "--steps", str(settings.steps), "--group-size", str(settings.group_size),
-                "--batch-groups", str(settings.batch_groups), "--lr", str(settings.lr),
-                "--checkpoint-dir", str(out / "trainer"), "--sync-mode", settings.sync_mode,
-                "--device", settings.device, "--no-resume", "--micro-batch-tokens", "4096",
-                "--release-memory", settings.release_memory,
-            ])
+            trainer = procs.start_agentrl("trainer", argvs["trainer"])
 
             evals: dict[str, dict[str, Any]] = {}
             say(f"evaluating on {settings.eval_limit} held-out prompts (greedy)")
-            evals["before"] = _run_agents(settings, gateway_url, runner_key, eval=True)
-            say(f"eval before: turn-1 accuracy {evals['before']['accuracy_turn1']}, "
-                f"final {evals['before']['accuracy_final']}, mean reward {evals['before']['mean_reward']}")
+            evals["before"] = _run_agents(settings, gateway_url, keys.runner, eval=True)
+            say(f"eval before: {_eval_line(evals['before'])}")
 
             steps: list[dict[str, Any]] = []
             for step in range(settings.steps):
                 started = time.monotonic()
-                summary = _run_agents(settings, gateway_url, runner_key, eval=False, offset=step * settings.batch_groups)
-                _wait_for_version(procs, gateway_url, admin_key, step + 1, settings.step_timeout_s)
-                row = {"step": step, "mean_reward": summary["mean_reward"] or 0.0,
-                       "turn1_accuracy": summary["accuracy_turn1"] or 0.0,
-                       "final_accuracy": summary["accuracy_final"] or 0.0,
-                       "mean_turns": summary["mean_turns"], "episodes": summary["episodes"],
-                       "seconds": round(time.monotonic() - started, 1)}
+                batch = None if tasks is None else take(tasks, step * settings.batch_groups, settings.batch_groups)
+                summary = _run_agents(settings, gateway_url, keys.runner, eval=False,
+                                      offset=step * settings.batch_groups, tasks=batch)
+                _wait_for_version(procs, gateway_url, keys.admin, step + 1, settings.step_timeout_s)
+                trained = _trainer_metrics(procs, out / "trainer" / "metrics.jsonl", step + 1, settings.step_timeout_s)
+                row = step_row(step, summary, trained, round(time.monotonic() - started, 1))
                 steps.append(row)
-                say(f"step {step + 1}/{settings.steps}: mean reward {row['mean_reward']:.3f}, turn-1 acc "
-                    f"{row['turn1_accuracy']:.3f}, final acc {row['final_accuracy']:.3f} ({row['seconds']}s)")
+                say(f"step {step + 1}/{settings.steps}: {_step_line(row, settings.gamma)}")
 
             say("evaluating again")
-            evals["after"] = _run_agents(settings, gateway_url, runner_key, eval=True)
-            say(f"eval after: turn-1 accuracy {evals['after']['accuracy_turn1']}, "
-                f"final {evals['after']['accuracy_final']}, mean reward {evals['after']['mean_reward']}")
-            trainer = next(c for c in procs.children if c.name == "trainer")
+            evals["after"] = _run_agents(settings, gateway_url, keys.runner, eval=True)
+            say(f"eval after: {_eval_line(evals['after'])}")
             try:
                 trainer.proc.wait(timeout=300)
             except Exception as exc:  # noqa: BLE001 - reported, then the context stops it
@@ -200,40 +205,77 @@ def up(settings: UpSettings) -> dict[str, Any]:
                 raise UpFailed(f"trainer exited with {trainer.proc.returncode}; log {trainer.log_path}:\n{trainer.tail()}")
     except ChildFailed as exc:
         raise UpFailed(str(exc)) from exc
+    finally:
+        remove_sync_copies(out / "trainer")
 
     return _write_results(settings, out, steps, evals, time.monotonic() - t0)
 
 
-def _run_agents(settings: UpSettings, gateway_url: str, admin_key: str, *, eval: bool, offset: int = 0) -> dict[str, Any]:
+# ------------------------------------------------------------------------------------------- tasks
+
+
+def training_tasks(settings: UpSettings) -> list[Any] | None:
+    """The training tasks in the order steps take them, or None where the agent runner draws them itself.
+
+    A file's tasks are shuffled with ``--seed`` (``--keep-order``: file order): in file order a short run
+    trains only on the first few tasks (two runs of 2026-12-04 trained on tasks 0-11 of 90). ``synthetic``
+    is drawn at random already, so steps take its prompts by offset.
+    """
+    if settings.custom:
+        from agentrl.episodes import load_tasks
+
+        tasks: list[Any] = load_tasks(settings.dataset)
+    elif settings.dataset.startswith("gsm8k:"):
+        from agents.datasets import load_dataset
+
+        tasks = load_dataset(settings.dataset, split="train")
+    else:
+        return None
+    if not settings.keep_order:
+        random.Random(settings.seed).shuffle(tasks)
+    return tasks
+
+
+def take(tasks: list[Any], start: int, size: int) -> list[Any]:
+    """``size`` tasks from ``start``, wrapping around the end (a run may take more than there are)."""
+    return [tasks[(start + i) % len(tasks)] for i in range(min(size, len(tasks)))]
+
+
+# ------------------------------------------------------------------------------------------- rollouts
+
+
+def _run_agents(settings: UpSettings, gateway_url: str, key: str, *, eval: bool, offset: int = 0,
+                tasks: list[Any] | None = None) -> dict[str, Any]:
+    """One evaluation (greedy, one episode per held-out task) or one step's rollouts (``tasks``, or the
+    runner's own by ``offset``), with a progress bar for every agent."""
+    if settings.custom:
+        return _run_episode_fn(settings, gateway_url, key, eval=eval, tasks=tasks)
     from agents.runner import RunnerSettings, run_agents
 
-    if ":" in settings.agent:
-        return _run_episode_fn(settings, gateway_url, admin_key, eval=eval, offset=offset)
-
     runner = RunnerSettings(
-        agent=settings.agent, gateway=gateway_url, admin_key=admin_key, dataset=settings.dataset,
+        agent=settings.agent, gateway=gateway_url, admin_key=key, dataset=settings.dataset,
         split="test" if eval else "train", limit=settings.eval_limit if eval else settings.batch_groups,
-        offset=offset, group_size=1 if eval else settings.group_size, concurrency=settings.concurrency,
-        eval=eval, max_turns=settings.max_turns, temperature=0.0 if eval else settings.temperature,
-        max_tokens=settings.max_tokens, progress=True,
+        offset=0 if tasks is not None else offset, group_size=1 if eval else settings.group_size,
+        concurrency=settings.concurrency, eval=eval, max_turns=settings.max_turns,
+        temperature=0.0 if eval else settings.temperature, max_tokens=settings.max_tokens, progress=True,
     )
-    return asyncio.run(run_agents(runner))
+    return asyncio.run(run_agents(runner, samples=None if eval else tasks))
 
 
-def _run_episode_fn(settings: UpSettings, gateway_url: str, admin_key: str, *, eval: bool, offset: int) -> dict[str, Any]:
+def _run_episode_fn(settings: UpSettings, gateway_url: str, key: str, *, eval: bool,
+                    tasks: list[Any] | None) -> dict[str, Any]:
     """Your own agent (``--agent module:function``) on the JSONL tasks: groups in training, one greedy
     episode per task in evaluation."""
     from agentrl.episodes import load_episode_fn, load_tasks, run_episodes
 
     if eval:
         tasks = load_tasks(settings.eval_dataset or settings.dataset, limit=settings.eval_limit)
-    else:
-        tasks = load_tasks(settings.dataset, limit=settings.batch_groups, offset=offset)
+    assert tasks is not None
     return asyncio.run(run_episodes(
-        load_episode_fn(settings.agent), tasks, gateway=gateway_url, key=admin_key,
+        load_episode_fn(settings.agent), tasks, gateway=gateway_url, key=key,
         group_size=1 if eval else settings.group_size, eval=eval,
         temperature=0.0 if eval else settings.temperature, concurrency=settings.concurrency,
-        metadata={"agent": settings.agent, "dataset": settings.dataset}))
+        metadata={"agent": settings.agent, "dataset": settings.dataset}, progress=True))
 
 
 def _wait_for_version(procs, gateway_url: str, admin_key: str, version: int, timeout_s: float) -> None:
@@ -253,57 +295,119 @@ def _wait_for_version(procs, gateway_url: str, admin_key: str, version: int, tim
                    f"see {procs.log_dir / 'trainer.log'}")
 
 
+def _trainer_metrics(procs, path: Path, step: int, timeout_s: float) -> dict[str, Any]:
+    """The trainer's ``metrics.jsonl`` line of ``step`` (written right after the push it acknowledged)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        procs.check_alive()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            try:
+                metrics = json.loads(line)
+            except ValueError:  # a line being written
+                continue
+            if metrics.get("step") == step:
+                return dict(metrics)
+        time.sleep(0.2)
+    raise UpFailed(f"the trainer logged no step {step} within {timeout_s:.0f}s; see {procs.log_dir / 'trainer.log'}")
+
+
+# ------------------------------------------------------------------------------------------- reporting
+
+ACCURACIES = {"accuracy_turn1": "turn-1 accuracy", "accuracy_final": "final accuracy"}
+
+
+def step_row(step: int, summary: dict[str, Any], trained: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """One step of ``summary.json``: what the agents report (accuracy only where the agent has one) and
+    the reward the trainer trained on.
+
+    ``mean_reward`` is the mean of the episode rewards the agents posted. ``trainer_reward`` is the
+    trainer's ``reward/mean``: the mean over the batch's turns of each turn's return, the rewards after it
+    discounted by gamma per turn, so it differs from ``mean_reward`` for multi-turn episodes (None when the
+    step was skipped: nothing to learn).
+    """
+    row: dict[str, Any] = {"step": step, "mean_reward": summary.get("mean_reward"),
+                           "trainer_reward": trained.get("reward/mean"), "episodes": summary["episodes"],
+                           "failed": summary.get("failed", 0), "skipped": bool(trained.get("skipped")),
+                           "seconds": seconds}
+    for key in ACCURACIES:
+        if summary.get(key) is not None:
+            row[key] = summary[key]
+    if summary.get("mean_turns") is not None:
+        row["mean_turns"] = summary["mean_turns"]
+    return row
+
+
+def _fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _step_line(row: dict[str, Any], gamma: float) -> str:
+    trained = "skipped (nothing to learn)" if row["skipped"] else f"{_fmt(row['trainer_reward'])}"
+    parts = [f"mean episode reward {_fmt(row['mean_reward'])} over {row['episodes']} episodes",
+             f"trainer reward {trained} (per-turn returns, gamma {gamma})"]
+    parts += [f"{name} {_fmt(row[key])}" for key, name in ACCURACIES.items() if key in row]
+    return ", ".join(parts) + f" ({row['seconds']}s)"
+
+
+def _eval_line(summary: dict[str, Any]) -> str:
+    parts = [f"mean reward {_fmt(summary.get('mean_reward'))} over {summary['episodes']} episodes"]
+    parts += [f"{name} {_fmt(summary[key])}" for key, name in ACCURACIES.items() if summary.get(key) is not None]
+    if summary.get("failed"):
+        parts.append(f"{summary['failed']} failed")
+    return ", ".join(parts)
+
+
 def _write_results(settings: UpSettings, out: Path, steps: list[dict[str, Any]],
                    evals: dict[str, dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
     from agentrl.plot import reward_curve
+    from trainer.checkpoint import latest
 
-    checkpoints = sorted((out / "trainer").glob("**/config.json"), key=lambda p: p.stat().st_mtime)
+    checkpoint = latest(out / "trainer")
     png = reward_curve(steps, out / "reward_curve.png", evals=evals,
-                       title=f"agentrl up: {settings.model}, {settings.dataset}, {settings.agent} agent",
-                       custom=":" in settings.agent)
+                       title=f"agentrl up: {settings.model}, {settings.dataset}, {settings.agent} agent")
     summary = {
-        "model": settings.model, "dataset": settings.dataset, "steps": len(steps),
+        "model": settings.model, "dataset": settings.dataset, "agent": settings.agent, "steps": len(steps),
         "eval_before": _eval_summary(evals["before"], settings.eval_limit),
         "eval_after": _eval_summary(evals["after"], settings.eval_limit),
-        "device": settings.device,
+        "device": settings.device, "gamma": settings.gamma,
         "first_step_reward": steps[0]["mean_reward"], "last_step_reward": steps[-1]["mean_reward"],
         "per_step": steps, "reward_curve": str(png),
-        "checkpoint": str(checkpoints[-1].parent) if checkpoints else None,
+        "checkpoint": str(checkpoint) if checkpoint else None,
         "elapsed_s": round(elapsed_s, 1), "out_dir": str(out),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def wilson_interval(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a proportion (``successes`` of ``n``); (0, 1) when n is 0."""
-    if n <= 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / (1 + z * z / n)
-    return round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)
-
-
 def _eval_summary(result: dict[str, Any], limit: int) -> dict[str, Any]:
-    """Accuracies of one held-out evaluation, each with its 95% Wilson interval over the prompts evaluated."""
+    """One held-out evaluation: the mean reward, and each accuracy the agent reports with its 95% Wilson
+    interval over the prompts evaluated."""
     n = int(result.get("episodes") or limit)
-    out: dict[str, Any] = {k: result.get(k) for k in ("accuracy_turn1", "accuracy_final", "mean_reward")}
-    out["prompts"] = n
-    for key in ("accuracy_turn1", "accuracy_final"):
-        if out.get(key) is not None:
-            out[key + "_ci95"] = list(wilson_interval(float(out[key]) * n, n))
+    out: dict[str, Any] = {"mean_reward": result.get("mean_reward"), "prompts": n, "failed": result.get("failed", 0)}
+    for key in ACCURACIES:
+        if result.get(key) is not None:
+            out[key] = result[key]
+            out[key + "_ci95"] = list(wilson_interval(float(result[key]) * n, n))
     return out
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = [
-        "",
-        f"agentrl up: {summary['model']} on {summary['dataset']}, {summary['steps']} steps, {summary['elapsed_s']:.0f}s",
-        f"  eval before: turn-1 accuracy {summary['eval_before']['accuracy_turn1']}, final {summary['eval_before']['accuracy_final']}",
-        f"  eval after:  turn-1 accuracy {summary['eval_after']['accuracy_turn1']}, final {summary['eval_after']['accuracy_final']}",
-        f"  eval mean reward: before {summary['eval_before']['mean_reward']}, after {summary['eval_after']['mean_reward']}",
-        f"  training reward: step 1 {summary['first_step_reward']:.3f} -> step {summary['steps']} {summary['last_step_reward']:.3f}",
+    lines = ["", f"agentrl up: {summary['model']} on {summary['dataset']}, {summary['steps']} steps, "
+                 f"{summary['elapsed_s']:.0f}s",
+             f"  eval mean reward: before {_fmt(summary['eval_before']['mean_reward'])}, "
+             f"after {_fmt(summary['eval_after']['mean_reward'])}"]
+    for key, name in ACCURACIES.items():
+        if key in summary["eval_before"] and key in summary["eval_after"]:
+            lines.append(f"  eval {name}: before {_fmt(summary['eval_before'][key])} "
+                         f"{summary['eval_before'][key + '_ci95']}, after {_fmt(summary['eval_after'][key])} "
+                         f"{summary['eval_after'][key + '_ci95']} (95% Wilson)")
+    lines += [
+        f"  training mean episode reward: step 1 {_fmt(summary['first_step_reward'])} -> step {summary['steps']} "
+        f"{_fmt(summary['last_step_reward'])}",
         f"  reward curve: {summary['reward_curve']}",
         f"  checkpoint:   {summary['checkpoint']}",
         f"  summary:      {summary['out_dir']}/summary.json",

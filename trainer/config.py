@@ -78,6 +78,7 @@ class TrainerSettings:
     checkpoint_dir: str = field(default="runs/trainer", metadata=_h("checkpoints (HF format + optimizer/trainer state) and the metrics file go here"))
     save_every: int = field(default=0, metadata=_h("checkpoint every N steps (0 = only at the end)"))
     keep_checkpoints: int = field(default=defaults.KEEP_CHECKPOINTS, metadata=_h("keep only the newest K checkpoints (0 = keep every one)"))
+    save_optimizer: bool = field(default=True, metadata=_h("checkpoints hold the optimizer state (about twice the weights' size), so a resumed run continues exactly; --no-save-optimizer: weights and trainer state only (a resume then starts a fresh optimizer)"))
     resume: bool = field(default=True, metadata=_h("resume from the newest checkpoint in checkpoint_dir (continues the version count)"))
     lease_wait_s: float = field(default=30.0, metadata=_h("long-poll wait for a batch of finished groups"))
     max_idle_s: float = field(default=0.0, metadata=_h("stop when no data arrived for this long (0 = wait forever)"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,8 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
     # the weights changed since the newest checkpoint, or a run that learned nothing has none to hand on
     if trained_since_save or (state.step and checkpoint.latest(settings.checkpoint_dir) is None):
         save(settings, state, seen, model, optimizer, info, model_dir)
+    if info.is_main and isinstance(transport, DiskSync):
+        remove_sync_copies(transport.sync_dir)
     if metrics_out is not None:
         metrics_out.close()
     return state
@@ -250,11 +253,18 @@ def ack(leases: LeaseClient | None, lease: Lease, info: DistInfo) -> None:
 def save(settings: TrainerSettings, state: checkpoint.TrainerState, seen: SeenRows, model: torch.nn.Module,
          optimizer: torch.optim.Optimizer, info: DistInfo, model_dir: Path) -> Path:
     state.seen_rows = seen.state()
-    path = checkpoint.save(settings.checkpoint_dir, state, model, optimizer, info, source_dir=model_dir,
-                           keep=settings.keep_checkpoints)
+    path = checkpoint.save(settings.checkpoint_dir, state, model, optimizer if settings.save_optimizer else None,
+                           info, source_dir=model_dir, keep=settings.keep_checkpoints)
     if info.is_main:
         print(f"[trainer] checkpoint step {state.step} version {state.version} -> {path}", file=sys.stderr, flush=True)
     return path
+
+
+def remove_sync_copies(sync_dir: Path) -> None:
+    """At the end of a run, the disk pushes' copies (``v<N>``, a model's weights each) go: the engines
+    loaded them and the final checkpoint holds the same weights (a 3-step run of 2026-12-04 left 2 x 517 MB)."""
+    for copy in Path(sync_dir).glob("v*"):
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 def open_metrics(settings: TrainerSettings, info: DistInfo) -> TextIO | None:

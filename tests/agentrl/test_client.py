@@ -203,16 +203,35 @@ async def test_episode_exception_abandons_only_that_episode(gw_mock):
     assert [e.status for e in group] == ["finished", "abandoned"]
 
 
-def test_sync_group_and_openai_clients(gw_mock):
+def test_sync_group_hands_out_sync_clients_and_refuses_async_ones(gw_mock):
+    """The sync Gateway's episodes give openai.OpenAI; asking one for an AsyncOpenAI says to use AsyncGateway
+    (it used to hand one out and later call its close() without awaiting: "coroutine was never awaited")."""
+    import openai
+
     gw_mock.post("/v1/groups").mock(side_effect=groups_answer)
     finish = gw_mock.post(url__regex=r"/finish$").respond(200, json={})
     with Gateway(URL, "admin") as gw:
         with gw.group("t", size=2) as group:
-            sync_client = group[0].openai()
-            async_client = group[1].async_openai(max_retries=0)
+            sync_client = group[0].openai(max_retries=0)
+            assert isinstance(sync_client, openai.OpenAI)
             assert str(sync_client.base_url) == f"{URL}/sessions/s0/v1/" and sync_client.api_key == "k0"
-            assert str(async_client.base_url) == f"{URL}/sessions/s1/v1/" and async_client.max_retries == 0
-    assert finish.call_count == 2
+            with pytest.raises(TypeError, match="use AsyncGateway"):
+                group[1].async_openai()
+    assert finish.call_count == 2 and [e.status for e in group] == ["finished", "finished"]
+    assert sync_client.is_closed()  # closed with its episode
+
+
+async def test_async_group_hands_out_async_clients_closed_with_the_episode(gw_mock):
+    import openai
+
+    gw_mock.post("/v1/groups").mock(side_effect=groups_answer)
+    gw_mock.post(url__regex=r"/finish$").respond(200, json={})
+    async with AsyncGateway(URL, "admin") as gw:
+        async with gw.group("t", size=2) as group:
+            async_client = group[1].async_openai(max_retries=0)
+            assert isinstance(async_client, openai.AsyncOpenAI) and async_client.max_retries == 0
+            assert str(async_client.base_url) == f"{URL}/sessions/s1/v1/"
+    assert async_client.is_closed()
 
 
 def test_bad_urls_and_sizes():

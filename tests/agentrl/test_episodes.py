@@ -10,17 +10,18 @@ import pytest
 
 from agentrl.cli import build_parser
 from agentrl.episodes import EpisodeFnError, load_episode_fn, load_tasks
-from agentrl.evaluate import compare, mean_ci
+from agentrl.evaluate import compare, format_report
 from agentrl.settings import SettingsError, load
-from agentrl.up import UpSettings
+from agentrl.stats import mean_ci
+from agentrl.up import UpSettings, take, training_tasks
 
 
-def test_load_tasks_ids_limit_offset_and_errors(tmp_path):
+def test_load_tasks_ids_limit_and_errors(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"id": 7, "q": "a"}\n\n{"task_id": "x", "q": "b"}\n{"q": "c"}\n')
     tasks = load_tasks(path)
     assert [t["id"] for t in tasks] == ["7", "x", "t-4"] and tasks[1]["q"] == "b"
-    assert [t["id"] for t in load_tasks(path, limit=2, offset=2)] == ["t-4", "7"]  # wraps around
+    assert [t["id"] for t in load_tasks(path, limit=2)] == ["7", "x"]
     (tmp_path / "bad.jsonl").write_text('{"id": 1}\n[1, 2]\n')
     with pytest.raises(EpisodeFnError, match="bad.jsonl:2: a task must be a JSON object"):
         load_tasks(tmp_path / "bad.jsonl")
@@ -52,11 +53,36 @@ def test_up_with_your_own_agent_needs_a_jsonl_dataset(tmp_path):
     assert s.eval_dataset == ""
 
 
-def test_mean_ci_by_hand():
-    r = mean_ci([0.0, 1.0, 1.0, 0.0])
-    # mean 0.5, sample sd sqrt(1/3), half width 1.959964 * 0.57735 / 2 = 0.565794
-    assert r["mean"] == 0.5 and r["ci95"] == pytest.approx([0.5 - 0.565794, 0.5 + 0.565794], abs=1e-5)
-    assert mean_ci([0.3]) == {"n": 1, "mean": 0.3, "ci95": None}
+def test_training_tasks_are_shuffled_by_seed_unless_told_to_keep_file_order(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"id": f"t{i}"}) + "\n" for i in range(90)))
+
+    def order(**kw):
+        settings = load(UpSettings, env={}, agent="m:f", dataset=str(path), out_dir=str(tmp_path), **kw)
+        return [t["id"] for t in training_tasks(settings)]
+
+    in_file = [f"t{i}" for i in range(90)]
+    assert order(keep_order=True) == in_file
+    shuffled = order()
+    assert sorted(shuffled) == sorted(in_file) and shuffled != in_file
+    assert order() == shuffled and order(seed=0) == shuffled  # the default seed is 0: the same order every run
+    assert order(seed=1) != shuffled
+    # three steps of 4 groups draw 12 different tasks, not the file's first 12
+    drawn = [t for step in range(3) for t in take(shuffled, step * 4, 4)]
+    assert len(set(drawn)) == 12 and drawn != in_file[:12]
+    assert take(["a", "b", "c"], 2, 2) == ["c", "a"] and take(["a"], 5, 3) == ["a"]  # wraps; never repeats in a step
+
+
+def test_intervals_are_wilson_for_0_1_rewards_and_normal_otherwise():
+    # 6 of 30: Wilson [0.095, 0.373] (the normal approximation gave [0.054418, 0.345582])
+    r = mean_ci([1.0] * 6 + [0.0] * 24)
+    assert r == {"n": 30, "mean": 0.2, "ci95": [0.095, 0.373], "method": "wilson"}
+    # 2 of 4: centre 0.5, half width 1.959964 * sqrt(0.25/4 + 3.8415/64) / (1 + 3.8415/4) = 0.34996
+    assert mean_ci([0.0, 1.0, 1.0, 0.0])["ci95"] == [0.15, 0.85]
+    # not 0/1: mean 0.5, sample sd sqrt(0.2/3) = 0.258199, half width 1.959964 * 0.258199 / 2 = 0.253030
+    r = mean_ci([0.2, 0.4, 0.6, 0.8])
+    assert r["method"] == "normal" and r["ci95"] == [0.247, 0.753]
+    assert mean_ci([0.3]) == {"n": 1, "mean": 0.3, "ci95": None, "method": "normal"}
     assert mean_ci([])["mean"] is None
 
 
@@ -64,12 +90,12 @@ def test_compare_pairs_by_task():
     base = {"a": [0.0, 0.0], "b": [1.0], "c": [0.0], "only-base": [1.0]}
     after = {"a": [1.0, 1.0], "b": [1.0], "c": [1.0]}
     d = compare(base, after)
-    assert d["tasks_compared"] == 3 and d["mean"] == pytest.approx(2 / 3, abs=1e-6)
+    assert d["tasks_compared"] == 3 and d["mean"] == 0.667 and d["method"] == "normal"  # a difference: never Wilson
     half = 1.959964 * math.sqrt(1 / 3) / math.sqrt(3)
-    assert d["ci95"] == pytest.approx([2 / 3 - half, 2 / 3 + half], abs=1e-5)
+    assert d["ci95"] == [round(2 / 3 - half, 3), round(2 / 3 + half, 3)]
     assert d["significant"] is True  # [0.013, 1.32]: excludes 0, barely
     d = compare(base, {**after, "c": [0.0]})  # differences 1, 0, 0
-    assert d["mean"] == pytest.approx(1 / 3, abs=1e-6) and d["ci95"][0] < 0 and d["significant"] is False
+    assert d["mean"] == 0.333 and d["ci95"][0] < 0 and d["significant"] is False
     same = compare({t: [1.0] for t in "abcdef"}, {t: [1.0] for t in "abcdef"})
     assert same["mean"] == 0.0 and not same["significant"]
     better = compare({t: [0.0] for t in "abcdef"}, {t: [1.0] for t in "abcdef"})
@@ -89,3 +115,15 @@ def test_eval_settings_are_checked(tmp_path):
     assert run("--agent", "nocolon", "--checkpoint", "base", "--dataset", str(tasks)) == 2
     assert run("--agent", "m:f", "--checkpoint", "base", "--dataset", str(tmp_path / "no.jsonl")) == 2
     assert isinstance(parser, argparse.ArgumentParser)
+
+
+def test_eval_report_prints_three_digit_intervals_and_says_which():
+    report = {"agent": "m:f", "dataset": "e.jsonl", "tasks": 30, "repeats": 1, "out_dir": "/tmp/x",
+              "base": {"model": "smollm2", "failed": 0, "reward": mean_ci([1.0] * 6 + [0.0] * 24)},
+              "checkpoint": {"model": "ckpt", "failed": 1, "reward": mean_ci([0.5, 0.25, 1.0])},
+              "difference": {**compare({"a": [0.0], "b": [1.0]}, {"a": [1.0], "b": [1.0]})}}
+    text = format_report(report)
+    assert "mean reward 0.200  95% CI [0.095, 0.373] (Wilson)" in text
+    # mean 0.58333, sample sd 0.38188, half width 1.959964 x 0.38188 / sqrt(3) = 0.43213
+    assert "mean reward 0.583  95% CI [0.151, 1.015] (normal approx.)" in text
+    assert "0.054418" not in text and "difference (checkpoint - base, paired by task): 0.500" in text
