@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from gateway.store import Store
+from tests.engine_hooks import wait_for
 from tests.gateway.conftest import GatewayProc
 from tests.gateway.test_processes import full_sequences, read_turns
 from tests.vllm.conftest import VLLMServer
@@ -129,39 +129,39 @@ def test_disk_weight_push_pauses_resumes_and_bumps_the_version(
     before = vllm_generate(vllm_server.url, probe, 4, temperature=0.0)
     session = gw.create_session(group_id="push")
     client = sdk(gw, session["api_key"])
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"chunks": 0}
 
-    def agent() -> None:
-        result["reply"] = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
-            max_tokens=1500, temperature=1.0, seed=5, extra_body={"min_tokens": 1200})
+    def agent() -> None:  # a streamed story of exactly 1,500 tokens (min_tokens: no early EOS)
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}], stream=True,
+            max_tokens=1500, temperature=1.0, seed=5, extra_body={"min_tokens": 1500})
+        for chunk in stream:
+            result["chunks"] += 1
+            if chunk.choices and chunk.choices[0].finish_reason:
+                result["finish"] = chunk.choices[0].finish_reason
 
     thread = threading.Thread(target=agent)
     thread.start()
-    with gw.admin() as admin:  # wait until the generation runs on vLLM, then let it make some tokens
-        deadline = time.monotonic() + 180  # a loaded 2-core machine: once seen to take longer than 60 s
-        while not any(e["in_flight"] for e in admin.get("/admin/engines").json()["engines"]):
-            assert time.monotonic() < deadline, "the request never reached the engine"
-            time.sleep(0.05)
-    time.sleep(0.2)
-    # the story is long (1,200-1,500 tokens; min_tokens keeps the tiny model from an early EOS): 150 tokens
-    # once ended during the wait on a quiet machine, before the push, and the test saw only version 0; a
-    # 600-token minimum once ended while the push saved the weights (fresh-clone CI, 2026-12-04)
+    # vLLM has no hold knob: the gateway is paused (the story aborted there and held) once 20 of the story's
+    # 1,500 tokens have streamed, so the push lands mid-story by a margin of ~1,480 tokens against one admin
+    # call, whatever the machine's speed (a sleep here once let a 600-token story end before the push)
+    wait_for(lambda: result["chunks"] >= 20, "20 streamed chunks of the story", timeout_s=600)
+    control = GatewayControl(gw.base_url, gw.admin_key, client=httpx.Client(timeout=300))
+    control.pause()
     with gw.admin() as admin:
-        assert any(e["in_flight"] for e in admin.get("/admin/engines").json()["engines"]), \
-            "the story ended before the push: nothing would be tested"
+        wait_for(lambda: admin.get("/admin/engines").json()["held"] == 1, "the gateway to hold the story")
 
     torch.manual_seed(v0 + 1)  # weights unlike any earlier push to this server
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     http = httpx.Client(timeout=300)
-    pushed = push_weights(model, v0 + 1, info=info,
+    pushed = push_weights(model, v0 + 1, info=info,  # pauses again (a no-op), updates, resumes: re-sends the story
                           transport=DiskSync(tmp_path / "sync", vllm_server.model_dir, http, engine_kind="auto"),
-                          control=GatewayControl(gw.base_url, gw.admin_key, client=http))
+                          control=control)
     assert pushed.attempts == 1
-    thread.join(timeout=300)
-    assert not thread.is_alive() and result["reply"].choices[0].finish_reason in ("stop", "length")
+    thread.join(timeout=600)
+    assert not thread.is_alive() and result["finish"] == "length"
 
     assert httpx.get(f"{vllm_server.url}/weight_info").json() == {"weight_version": str(v0 + 1)}
     with gw.admin() as admin:
@@ -184,19 +184,21 @@ def test_client_disconnect_aborts_the_vllm_request(vllm_gateway: Any, vllm_serve
     gw = vllm_gateway()
     finished = metric(vllm_server.url, "vllm:request_success_total")  # stop/length/abort... (not a disconnect)
     client = sdk(gw, gw.agent_key)
+    generated = metric(vllm_server.url, "vllm:generation_tokens_total")
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Go on forever."}],
-                                            max_tokens=1800, stream=True)
+                                            max_tokens=1800, stream=True, extra_body={"min_tokens": 1800})
     got = 0
     for chunk in stream:
         got += len(chunk.choices)
         if got >= 3:
             break
-    assert metric(vllm_server.url, "vllm:num_requests_running") == 1
+    # vLLM's gauges are updated by its stat logger after the step: wait for the state, don't read it once
+    wait_for(lambda: metric(vllm_server.url, "vllm:num_requests_running") == 1, "vLLM to report the request")
     stream.close()  # the agent goes away mid-stream
-    deadline = time.monotonic() + 60  # 1800 tokens take minutes here: only an abort ends it this soon
-    while metric(vllm_server.url, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "vLLM still generates for an agent that went away"
-        time.sleep(0.2)
+    wait_for(lambda: metric(vllm_server.url, "vllm:num_requests_running") == 0,
+             "vLLM to stop generating for an agent that went away")
+    # cut short: 1,800 tokens were asked for (no EOS before them), far fewer were made
+    assert metric(vllm_server.url, "vllm:generation_tokens_total") - generated < 1800
     assert metric(vllm_server.url, "vllm:request_success_total") == finished  # it did not run to the end
 
 
@@ -269,7 +271,4 @@ def test_killed_engine_gives_503(vllm_gateway: Any, vllm_server: VLLMServer) -> 
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert err.value.status_code == 503
     assert err.value.body is not None and "message" in err.value.body  # OpenAI-shaped error
-    deadline = time.monotonic() + 30
-    while httpx.get(gw.base_url + "/health").status_code != 503:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(lambda: httpx.get(gw.base_url + "/health").status_code == 503, "the gateway to report no engine")
