@@ -10,8 +10,12 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 
 
+# modules of bench/ that are not benchmarks themselves (chaos_check checks a chaos run's history file)
+HELPERS = {"chaos_check"}
+
+
 def available() -> list[str]:
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.name.startswith("_"))
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.name.startswith("_") and p.stem not in HELPERS)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
