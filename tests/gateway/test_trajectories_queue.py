@@ -31,6 +31,18 @@ def make_group(key: str, *, min_version: int = 0, sessions: int = 2) -> QueuedGr
 
 SERVICES = pytest.mark.services
 
+# A lease outlives every test that does not wait for it to expire (a slow machine cannot make a lease lapse
+# between two calls); the expiry test gives its leases EXPIRY_S and waits past each lease's own deadline.
+LONG_LEASE_S = 300.0
+EXPIRY_S = 1.5
+
+
+async def past(deadline: float) -> None:
+    """Sleep until the wall clock (the SQL queue's ``time.time()``; Redis's TIME on this host) is past
+    ``deadline``: waiting longer can only leave the lease more expired."""
+    while time.time() <= deadline + 0.05:
+        await asyncio.sleep(max(0.01, deadline + 0.05 - time.time()))
+
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=SERVICES), pytest.param("redis", marks=SERVICES)])
 def backend(request):
@@ -60,10 +72,10 @@ async def engine(db_url):
 @pytest.fixture
 async def queue(engine, stream_prefix):
     if stream_prefix is None:
-        yield SqlQueue(engine, lease_timeout_s=0.6)
+        yield SqlQueue(engine, lease_timeout_s=LONG_LEASE_S)
         return
     client = aioredis.Redis.from_url(REDIS_URL, decode_responses=False)
-    yield RedisQueue(client, prefix=stream_prefix, lease_timeout_s=0.6)
+    yield RedisQueue(client, prefix=stream_prefix, lease_timeout_s=LONG_LEASE_S)
     await client.aclose()
 
 
@@ -90,10 +102,11 @@ async def test_lease_ack_round_trip(queue):
 
 
 async def test_expired_lease_is_redelivered_and_cannot_be_acked(queue):
+    queue.lease_timeout_s = EXPIRY_S  # the calls between a lease and its ack below are one or two queue calls
     await queue.put(make_group("g0"))
     first = await queue.lease(1, 0.0)
     assert await queue.lease(1, 0.0) is None  # leased: not visible
-    await asyncio.sleep(0.7)
+    await past(first.deadline)
     with pytest.raises(errors.Conflict, match="expired"):
         await queue.ack(first.id)
     second = await queue.lease(1, 0.0)
@@ -103,7 +116,7 @@ async def test_expired_lease_is_redelivered_and_cannot_be_acked(queue):
         await queue.ack(first.id)
     assert await queue.ack(second.id) == 1
     assert await queue.lease(1, 0.0) is None
-    await asyncio.sleep(0.7)
+    await past(second.deadline)
     assert await queue.lease(1, 0.0) is None  # acked groups never come back
 
 
@@ -116,9 +129,9 @@ async def test_lease_waits_for_enough_groups(queue):
 
     task = asyncio.create_task(later())
     t0 = time.monotonic()
-    lease = await queue.lease(2, 3.0)
+    lease = await queue.lease(2, 60.0)  # answered once the second group is there, not when the wait ends
     await task
-    assert len(lease.groups) == 2 and 0.25 < time.monotonic() - t0 < 2.5
+    assert len(lease.groups) == 2 and 0.25 < time.monotonic() - t0 < 60.0
     t0 = time.monotonic()
     assert await queue.lease(1, 0.4) is None  # nothing comes: None after the wait
     assert time.monotonic() - t0 >= 0.35
@@ -217,15 +230,17 @@ async def test_staleness_admission_on_the_stores_own_postgres_connection(pg_url)
 async def _cancelled_admission_gives_back(control: StalenessControl) -> None:
     """A caller cancelled while its admission runs gives the charge back once it has committed."""
     before = (await control.state()).admitted
+    existing = asyncio.all_tasks()
     task = asyncio.ensure_future(control.admit())
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    for _ in range(100):
-        await asyncio.sleep(0.01)
-        if (await control.state()).admitted == before:
-            break
+    # The admission runs on to its commit, and the give-back after it, in tasks of their own: wait for every
+    # task started since (polling the count could read it before the commit, equal to ``before`` too).
+    async with asyncio.timeout(120):  # a hang guard
+        while left := asyncio.all_tasks() - existing - {asyncio.current_task()}:
+            await asyncio.wait(left)
     assert (await control.state()).admitted == before
 
 
