@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from engines.sglang import SGLangDialect, dialect_from
 from gateway import jsonio
 from gateway.fasthttp import FastHTTP, HTTPFailure, lines, supported
 from gateway.sizedlru import CacheSize
@@ -272,6 +273,9 @@ class EngineClient:
         # /generate (streamed or not) goes through the lean client when given one (the app's own, not an
         # injected httpx client) and it can reach the URL; everything else through ``http``
         self.fast = fast if fast is not None and supported(self.base_url) else None
+        # what this server's release speaks (info routes, weight-update sessions), learned by describe();
+        # until then the routes every SGLang-native server answers (the embedded engine has only these)
+        self.dialect = SGLangDialect()
 
     def _translate(self, exc: httpx.HTTPError | HTTPFailure) -> EngineUnavailable:
         name = f"HTTP {exc.kind}" if isinstance(exc, HTTPFailure) else type(exc).__name__
@@ -446,45 +450,62 @@ class EngineClient:
             await chunks.aclose()  # before its end: closes the connection, so the engine sees us go
             await self._abort_unless(done, body["rid"])
 
-    async def health(self, *, paused: bool = False) -> bool:
-        """Whether the engine serves. SGLang's ``/health`` runs a one-token generation, which waits behind
-        a pause (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, then 503); an engine the caller paused is probed
-        for liveness with ``/get_model_info`` instead, which SGLang answers without its scheduler."""
-        url = self.base_url + ("/get_model_info" if paused else "/health")
+    async def health(self, *, paused: bool = False) -> bool | None:
+        """Whether the engine serves: True, False (refused, an error status), or None when it did not answer
+        within the probe's 5 s (alive but busy: loading weights, or a probe queued behind a long batch).
+        SGLang's ``/health`` runs a one-token generation, which waits behind a pause
+        (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, then 503); an engine the caller paused is probed for liveness
+        with the model-info route instead (``/model_info``; ``/get_model_info`` on the embedded engine),
+        which SGLang answers without its scheduler."""
+        url = self.base_url + (self.dialect.model_info_route if paused else "/health")
         if self.fast is not None:  # its kept connections expire first, and one the engine drops is retried
             try:
                 status, _ = await self.fast.request(url, "GET", timeout_s=5.0)
-            except HTTPFailure:
-                return False
+            except HTTPFailure as exc:
+                return None if exc.kind == "timeout" else False
             return status == 200
         try:
             resp = await self.http.get(url, timeout=5.0)
+        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+            return None
         except httpx.HTTPError:
             return False
         return resp.status_code == 200
 
     async def model_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = (await self._get("/get_model_info")).json()
+        info: dict[str, Any] = (await self._get(self.dialect.model_info_route)).json()
         return info
 
     async def server_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = (await self._get("/get_server_info")).json()
-        return info
+        """``/server_info`` (SGLang), else ``/get_server_info`` (the embedded engine); learns the dialect."""
+        for route, modern in (("/server_info", True), ("/get_server_info", False)):
+            try:
+                resp = await self.http.get(self.base_url + route, timeout=10.0)
+            except httpx.HTTPError as exc:
+                raise self._translate(exc) from exc
+            if resp.status_code == 404 and modern:
+                continue
+            self._check(resp)
+            info: dict[str, Any] = resp.json()
+            self.dialect = dialect_from(info, info_routes=modern)
+            return info
+        raise EngineError(f"engine {self.base_url} answers neither /server_info nor /get_server_info")
 
     async def describe(self) -> EngineInfo:
         from gateway.engines import EngineInfo
 
-        info = await self.model_info()
         try:
             server = await self.server_info()
             context = int(server.get("context_length") or server.get("max_req_input_len") or 0)
         except GatewayError:
             context = 0
+        info = await self.model_info()
         return EngineInfo(model_path=info.get("model_path"), tokenizer_path=info.get("tokenizer_path"),
                           weight_version=_parse_version(info.get("weight_version")), context_length=context)
 
     async def weight_version(self) -> int | None:
-        # /get_model_info carries it in SGLang 0.5.19 and 0.5.23; /get_weight_version is 404 in 0.5.19
+        # the model-info route carries it (SGLang 0.5.19, 0.5.23, the embedded engine); /get_weight_version is
+        # a 404 in 0.5.19 and gone in 0.5.23
         return _parse_version((await self.model_info()).get("weight_version"))
 
     async def pause(self, mode: str = "abort") -> None:
@@ -511,6 +532,7 @@ class EngineState:
     last_error: str | None = None
     last_check: float = 0.0
     last_output: float = 0.0  # time.monotonic() of the last engine output received for a generation
+    busy: bool = False  # its last probe got no answer in time: alive but occupied (loading weights, a long batch)
 
     def as_json(self) -> dict[str, Any]:
         return {"url": self.client.base_url, "kind": self.client.kind, "healthy": self.healthy, "in_flight": self.in_flight,
@@ -522,7 +544,7 @@ class EngineRouter:
     """Routes generations over engines and holds them across pause/resume (see the module docstring)."""
 
     def __init__(self, clients: list[Engine], *, health_interval_s: float = 5.0,
-                 affinity_size: int = 100_000) -> None:
+                 affinity_size: int = 100_000, busy_wait_s: float = 60.0) -> None:
         if not clients:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = [EngineState(c) for c in clients]
@@ -530,11 +552,16 @@ class EngineRouter:
         # a failed probe of an engine that produced output for an in-flight request this recently is
         # not taken as down (see check_health)
         self.busy_window_s = health_interval_s + 10.0
+        # how long a request waits for a busy engine (one whose probe timed out: loading weights, say) to
+        # answer again when no engine is in rotation, before it gets 503
+        self.busy_wait_s = busy_wait_s
+        self._probe: asyncio.Task[None] | None = None  # the health check waiting requests share
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._affinity_size = affinity_size
         self._running = asyncio.Event()
         self._running.set()
         self._pause_epoch = 0
+        self._pause_mode: str | None = None  # the mode of the pause in force (None while running)
         self._owes_continue: set[int] = set()  # engines paused by this router and not yet continued
         self.weight_version = 0
         self.held = 0  # generations waiting for resume
@@ -567,10 +594,20 @@ class EngineRouter:
         could not reach it) gets it again first, once the router is no longer paused."""
         if not self.paused and self._owes_continue:
             await self._continue(sorted(self._owes_continue))
+        pushing = {i for i in self._owes_continue if self.paused}
         results = await asyncio.gather(*(
-            e.client.health(paused=self.paused and i in self._owes_continue) for i, e in enumerate(self.engines)))
+            e.client.health(paused=i in pushing) for i, e in enumerate(self.engines)))
         now = time.monotonic()
-        for state, ok in zip(self.engines, results):
+        for i, (state, answer) in enumerate(zip(self.engines, results)):
+            state.busy = answer is None
+            ok = bool(answer)
+            if answer is None and i in pushing and state.healthy:
+                # paused by this router for a weight push: an engine loading weights may not answer even
+                # its liveness route in time; it is not taken out of rotation for that (resume's
+                # continue_generation tells whether it came back; a refused connection still counts)
+                log.info("engine %s did not answer its liveness probe while paused (loading weights?): kept",
+                         state.client.base_url)
+                ok = True
             if not ok and state.healthy and state.in_flight and now - state.last_output < self.busy_window_s:
                 # SGLang's /health is a generation queued behind the running batch: an engine busy with many
                 # requests can miss the probe's 5 s while it is visibly producing output for us. Taking it
@@ -632,6 +669,28 @@ class EngineRouter:
                 self._affinity.popitem(last=False)
         return index
 
+    async def _pick_or_wait(self, affinity_key: str | None, exclude: set[int]) -> int:
+        """:meth:`pick`; when no engine is in rotation but one is busy (alive, but its probe timed out: the
+        only engine loading weights, say), the request waits for it, re-probing, up to ``busy_wait_s``.
+        Engines that refused the connection are not waited for: 503 at once, as before."""
+        try:
+            return self.pick(affinity_key, exclude)
+        except EngineUnavailable:
+            if not any(e.busy for i, e in enumerate(self.engines) if i not in exclude):
+                raise
+        deadline = time.monotonic() + self.busy_wait_s
+        while True:
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.create_task(self.check_health(), name="engine-probe")
+            await asyncio.shield(self._probe)
+            try:
+                return self.pick(affinity_key, exclude)
+            except EngineUnavailable:
+                waiting = any(e.busy for i, e in enumerate(self.engines) if i not in exclude)
+                if not waiting or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(min(0.5, self.health_interval_s))
+
     def cache_sizes(self) -> list[CacheSize]:
         """The session -> engine affinity map."""
         return [CacheSize("engine_affinity", len(self._affinity), len(self._affinity), self._affinity_size)]
@@ -646,7 +705,18 @@ class EngineRouter:
 
         Every engine sent a pause owes a ``continue_generation``, whatever its health afterwards: SGLang
         stays paused until told otherwise. An engine that cannot be reached leaves the rotation; any other
-        refusal (a bad ``mode``) is raised once every engine has been tried."""
+        refusal (a bad ``mode``) is raised once every engine has been tried.
+
+        An ``abort`` pause while this router holds the engines in an ``in_place`` or ``retract`` pause (an
+        operator's, before a push) first continues them, so that the abort reaches their schedulers and
+        empties them: a push flushes the prefix cache with the update, which SGLang accepts only from an
+        idle scheduler (0.5.19 asserts and dies otherwise, 0.5.23 answers 400). Their requests end as
+        aborted and are held and re-sent after resume, like every other."""
+        if mode == "abort" and self.paused and self._pause_mode in ("in_place", "retract") and self._owes_continue:
+            log.info("abort pause over a %s pause: continuing the engines first so that they empty",
+                     self._pause_mode)
+            await self._continue(sorted(self._owes_continue))
+        self._pause_mode = mode
         self._pause_epoch += 1
         self._running.clear()
         targets = [i for i, e in enumerate(self.engines) if e.healthy]
@@ -669,6 +739,7 @@ class EngineRouter:
         fails its health probe, so health cannot decide who to resume), and to every healthy one. An engine
         that cannot be reached keeps owing it; the health loop sends it again until it lands."""
         self.weight_version = weight_version
+        self._pause_mode = None
         targets = sorted(self._owes_continue | {i for i, e in enumerate(self.engines) if e.healthy})
         self._owes_continue.update(targets)
         try:
@@ -686,6 +757,10 @@ class EngineRouter:
                 self._mark_failed(self.engines[i], result)
             else:
                 self._owes_continue.discard(i)
+                state = self.engines[i]
+                if not state.healthy:  # it answered: back in rotation now, not at the next probe
+                    log.warning("engine %s is now healthy (generation continued)", state.client.base_url)
+                state.healthy, state.busy, state.last_error = True, False, None
 
     # ---- generation ----
     async def generate(
@@ -712,7 +787,7 @@ class EngineRouter:
                 finally:
                     self.held -= 1
             epoch = self._pause_epoch
-            index = self.pick(affinity_key, excluded)
+            index = await self._pick_or_wait(affinity_key, excluded)
             state = self.engines[index]
             gen.engine_url = state.client.base_url
             gen.segments += 1

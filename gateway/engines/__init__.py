@@ -62,9 +62,11 @@ class Engine(Protocol):
         """Cumulative outputs as tokens arrive; the last one has ``finish`` set."""
         ...
 
-    async def health(self, *, paused: bool = False) -> bool:
-        """True when the engine serves. ``paused``: the caller paused it, so only liveness is probed (SGLang's
-        ``/health`` generates a token and would wait behind the pause)."""
+    async def health(self, *, paused: bool = False) -> bool | None:
+        """True when the engine serves, False when it refuses or fails, None when it does not answer within
+        the probe's timeout (alive but busy: the router waits for such an engine instead of refusing
+        requests). ``paused``: the caller paused it, so only liveness is probed (SGLang's ``/health``
+        generates a token and would wait behind the pause)."""
         ...
 
     async def describe(self) -> EngineInfo: ...

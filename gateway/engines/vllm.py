@@ -191,10 +191,12 @@ class VLLMClient(EngineClient):
         finally:
             await self._abort_unless(done, "generate-tokens-" + body["request_id"])
 
-    async def health(self, *, paused: bool = False) -> bool:
+    async def health(self, *, paused: bool = False) -> bool | None:
         # vLLM's /health answers at once, also while paused (it only checks that the engine core lives)
         try:
             resp = await self.http.get(self.base_url + "/health", timeout=5.0)
+        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+            return None  # alive but not answering in time (reloading weights)
         except httpx.HTTPError:
             return False
         return resp.status_code == 200

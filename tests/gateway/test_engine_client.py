@@ -459,3 +459,198 @@ def test_a_continued_segment_asks_only_for_the_minimum_still_owed() -> None:
     assert params.penalties["min_new_tokens"] == 10  # the request's own parameters are untouched
     plain = SamplingParams(max_new_tokens=5)
     assert plain.continued(3) is plain
+
+
+class LoadingEngine(FakeEngine):
+    """An engine loading weights: alive (it accepts connections) but answering no probe in time, its
+    /health nor its liveness route, until ``loaded`` is set; ``probes`` counts the probes it missed."""
+
+    def __init__(self, name: str, reply: list[int]) -> None:
+        super().__init__(name, reply)
+        self.loaded = asyncio.Event()
+        self.loaded.set()
+        self.missed = 0
+        self.probed = asyncio.Event()
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path in ("/health", "/get_model_info", "/model_info"):
+            if not self.loaded.is_set():
+                self.missed += 1
+                self.probed.set()
+                raise httpx.ReadTimeout("busy loading weights", request=request)
+            if path != "/health":
+                return httpx.Response(200, json={"model_path": "/m", "weight_version": "0"})
+        return await super().handler(request)
+
+
+async def test_the_engine_a_push_loads_into_stays_in_rotation_and_serves_right_after_resume() -> None:
+    """issue 32: with one engine, every push gave ~5 s of 503 "no healthy engine": the probe during the load
+    took it out, and it came back only at the next probe after resume."""
+    engine = LoadingEngine("a", [5, EOT])
+    router, clients = make_router(engine)
+    await router.pause()
+    engine.loaded.clear()  # the push: the engine loads weights and answers no probe
+    await router.check_health()  # the health loop runs during the push
+    assert engine.missed == 1 and router.engines[0].healthy  # paused by the router for a push: kept
+    engine.loaded.set()
+    await router.resume(1)
+    gen = await collect(router, [1], SamplingParams(max_new_tokens=5), affinity_key=None, stream=False)
+    assert gen.output_ids == [5, EOT] and gen.versions == [1, 1]
+    for c in clients:
+        await c.aclose()
+
+
+async def test_a_request_waits_for_the_only_engine_while_it_misses_probes_and_is_served_after() -> None:
+    """Pushed to without the gateway (DirectControl), the only engine misses its /health probe while it loads
+    and leaves the rotation; a request then waits for it (bounded) instead of getting 503 at once."""
+    engine = LoadingEngine("a", [5, EOT])
+    router, clients = make_router(engine)
+    engine.loaded.clear()
+    await router.check_health()
+    assert not router.engines[0].healthy and router.engines[0].busy
+    engine.probed.clear()
+    request = asyncio.create_task(collect(router, [1], SamplingParams(max_new_tokens=5), affinity_key=None,
+                                          stream=False))
+    await asyncio.wait_for(engine.probed.wait(), 60)  # the waiting request probes the engine again
+    assert not request.done() and engine.requests == []  # waiting, nothing sent, no 503
+    engine.loaded.set()
+    gen = await asyncio.wait_for(request, 60)
+    assert gen.output_ids == [5, EOT] and router.engines[0].healthy
+    for c in clients:
+        await c.aclose()
+
+
+async def test_the_wait_for_a_busy_engine_is_bounded_and_a_refusing_one_is_not_waited_for() -> None:
+    engine = LoadingEngine("a", [5, EOT])
+    router, clients = make_router(engine)
+    router.busy_wait_s = 0.0  # bounded: one more probe, then 503
+    engine.loaded.clear()
+    await router.check_health()
+    before = engine.missed
+    with pytest.raises(EngineUnavailable, match="no healthy engine"):
+        await collect(router, [1], SamplingParams(max_new_tokens=5), affinity_key=None, stream=False)
+    assert engine.missed == before + 1
+    dead = FakeEngine("b", [5, EOT])
+    router2, clients2 = make_router(dead)
+    router2.busy_wait_s = 1e9  # a wait would hang the test: a refused connection is 503 at once
+    dead.healthy = False
+    await router2.check_health()
+    assert not router2.engines[0].busy
+    with pytest.raises(EngineUnavailable):
+        await asyncio.wait_for(collect(router2, [1], SamplingParams(max_new_tokens=5), affinity_key=None,
+                                       stream=False), 60)
+    for c in clients + clients2:
+        await c.aclose()
+
+
+class SchedulerFake:
+    """SGLang's scheduler as pause modes and the update's flush see it (``Scheduler.pause_generation``,
+    ``flush_cache``, ``flush_cache_after_weight_update``; 0.5.19 and 0.5.23 read): ``in_place`` leaves
+    running requests in the batch (the scheduler stops; an abort reaches them only when it runs again),
+    ``retract`` moves them to the waiting queue, ``abort`` ends them. An update with ``flush_cache`` (the
+    default) that finds a request running or waiting kills 0.5.19 (an assertion in the scheduler) and is a
+    400 on 0.5.23 (which ignores the waiting queue while paused)."""
+
+    def __init__(self, version: str, reply: list[int]) -> None:
+        self.version, self.reply = version, reply
+        self.stopped = False  # the scheduler is paused (in_place / retract)
+        self.running: set[str] = set()
+        self.waiting: set[str] = set()
+        self.aborted: set[str] = set()
+        self.changed = asyncio.Condition()
+        self.started = asyncio.Event()
+        self.allow = asyncio.Event()  # the test lets tokens after the first flow (a story still running)
+        self.dead = False
+        self.requests: list[dict[str, Any]] = []
+
+    def idle(self) -> bool:
+        return not self.running and (not self.waiting or (self.version == "0.5.23" and self.stopped))
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        if self.dead:
+            raise httpx.ConnectError("connection refused", request=request)
+        path = request.url.path
+        payload = json.loads(request.content) if request.content else {}
+        if path == "/pause_generation":
+            mode = payload.get("mode", "abort")
+            if mode == "abort":
+                if not self.stopped:  # the scheduler runs: it processes the aborts of running requests
+                    self.aborted |= self.running
+                    self.running.clear()
+                self.aborted |= self.waiting  # aborted in the waiting queue at once
+                self.waiting.clear()
+            else:
+                self.stopped = True
+                if mode == "retract":
+                    self.waiting |= self.running
+                    self.running.clear()
+            async with self.changed:
+                self.changed.notify_all()
+            return httpx.Response(200, json={"status": "ok"})
+        if path == "/continue_generation":
+            self.stopped = False
+            self.running |= self.waiting
+            self.waiting.clear()
+            async with self.changed:
+                self.changed.notify_all()
+            return httpx.Response(200, json={"status": "ok"})
+        if path == "/update_weights_from_disk":
+            if payload.get("flush_cache", True) and not self.idle():
+                if self.version == "0.5.19":
+                    self.dead = True  # AssertionError: Cache flush failed after updating weights
+                    raise httpx.RemoteProtocolError("server disconnected", request=request)
+                return httpx.Response(400, json={"success": False, "message": "Weights were updated, but the cache "
+                                                 "was not flushed because requests are still running or queued."})
+            self.version_tag = payload.get("weight_version")
+            return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
+        self.requests.append(payload)
+        rid = payload["rid"]
+        self.running.add(rid)
+        out = self.reply if len(self.requests) == 1 else self.reply[len(payload["input_ids"]) - 1:]
+        tag = getattr(self, "version_tag", "0")
+
+        async def events() -> Any:
+            for k in range(1, len(out) + 1):
+                if k == 2:
+                    self.started.set()
+                async with self.changed:
+                    await self.changed.wait_for(lambda: rid in self.aborted or (
+                        not self.stopped and rid in self.running and (k == 1 or self.allow.is_set())))
+                if rid in self.aborted:
+                    yield f"data: {json.dumps(body(out[:k - 1], {'type': 'abort', 'message': 'paused'}, tag))}\n\n".encode()
+                    break
+                done = {"type": "stop", "matched": EOT} if k == len(out) else None
+                yield f"data: {json.dumps(body(out[:k], done, tag))}\n\n".encode()
+            self.running.discard(rid)
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+@pytest.mark.parametrize("operator_mode", ["in_place", "retract"])
+async def test_a_push_after_an_operators_in_place_or_retract_pause_keeps_sglang_alive(version, operator_mode) -> None:
+    """issue 35: /admin/pause accepts in_place and retract, but a push through the gateway updates with
+    flush_cache; over an in_place pause the running batch was still there: 0.5.19 died, 0.5.23 refused.
+    The push's abort pause now continues the engines first, so the abort empties them."""
+    engine = SchedulerFake(version, [5, 6, 7, EOT])
+    http = httpx.AsyncClient(transport=httpx.MockTransport(engine.handler))
+    client = EngineClient("http://sglang", http)
+    router = EngineRouter([client])
+    request = asyncio.create_task(collect(router, [1], SamplingParams(max_new_tokens=8), affinity_key=None,
+                                          stream=True))
+    await asyncio.wait_for(engine.started.wait(), 60)
+    await router.pause(operator_mode)  # the operator's pause
+    await router.pause("abort")  # the push's pause (GatewayControl: /admin/pause {})
+    assert engine.idle() and not engine.stopped
+    result = await client.update_weights_from_disk("/sync/v1", weight_version=1)  # flush_cache: SGLang's default
+    assert result["success"] and not engine.dead
+    await router.resume(1)
+    engine.allow.set()
+    async with engine.changed:
+        engine.changed.notify_all()
+    gen = await asyncio.wait_for(request, 60)
+    assert gen.output_ids == [5, 6, 7, EOT] and gen.finish == "stop"
+    assert gen.versions == [0, 1, 1, 1] and gen.segments == 2  # held across the push, finished under v1
+    await http.aclose()

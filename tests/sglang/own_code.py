@@ -1,8 +1,12 @@
-"""SGLang's own code, loaded file by file from the pinned wheel, for contract tests.
+"""SGLang's own code, loaded file by file from each release's wheel, for contract tests.
 
-The wheel (``sglang==0.5.19``, the version ``docker-compose.yml`` pins) is installed with ``--no-deps`` into
-its own folder of the venv (``make test`` does it); of its dependencies only ``msgspec`` and ``pyzmq`` are
-needed (``io_struct.py`` imports them). Importing ``sglang.srt`` the normal
+Two wheels are installed with ``--no-deps``, each into its own folder of the venv (``make test`` does it):
+``sglang==0.5.19`` (the release ``docker-compose.yml`` pins) and ``sglang==0.5.23`` (the newest). Every
+accessor takes the ``version`` (default: the pinned one). Both releases' files live under the same module
+names (``sglang.srt...``), so one release's modules are in ``sys.modules`` at a time: each accessor first
+makes its release the active one (:func:`_activate` swaps the two sets), which is what pydantic and msgspec
+see when they resolve the request classes' annotations. Of the wheels' dependencies only ``msgspec`` and
+``pyzmq`` are needed (``io_struct.py`` imports them). Importing ``sglang.srt`` the normal
 way would pull CUDA-only packages (``triton``, ``torchvision``, ``sgl-kernel``), so the few files the
 contracts need are executed in isolation:
 
@@ -24,6 +28,7 @@ files stay there under their own names (pydantic resolves their annotations thro
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -37,17 +42,49 @@ import msgspec
 import pytest
 
 PINNED = "0.5.19"
+NEWEST = "0.5.23"
+VERSIONS = (PINNED, NEWEST)
 
 
-def sglang_root() -> Path:
-    """``sglang/`` of the pinned wheel, installed apart from the venv's packages (its declared dependencies
+def sglang_root(version: str = PINNED) -> Path:
+    """``sglang/`` of one release's wheel, installed apart from the venv's packages (its declared dependencies
     pin other transformers/tokenizers versions, so it must not be seen by pip's resolver or by imports):
-    ``pip install --no-deps --target $VENV/sglang-0.5.19 sglang==0.5.19``."""
-    root = Path(sys.prefix) / f"sglang-{PINNED}" / "sglang"
+    ``pip install --no-deps --target $VENV/sglang-X sglang==X``."""
+    root = Path(sys.prefix) / f"sglang-{version}" / "sglang"
     if not (root / "srt" / "managers" / "io_struct.py").is_file():
-        pytest.fail(f"SGLang {PINNED} is not at {root.parent}: pip install --no-deps --target {root.parent} "
-                    f"sglang=={PINNED} (make test does)")
+        pytest.fail(f"SGLang {version} is not at {root.parent}: pip install --no-deps --target {root.parent} "
+                    f"sglang=={version} (make test does)")
     return root
+
+
+_modules: dict[str, dict[str, types.ModuleType]] = {}  # release -> its real sglang.* modules loaded so far
+_active: list[str] = []  # the release whose modules are in sys.modules now
+
+
+def _is_sglang(name: str) -> bool:
+    return name == "sglang" or name.startswith("sglang.")
+
+
+def _activate(version: str) -> None:
+    """Put ``version``'s loaded modules into ``sys.modules`` (and the other release's out)."""
+    if _active and _active[0] == version:
+        return
+    current = {k: sys.modules.pop(k) for k in [k for k in sys.modules if _is_sglang(k)]}
+    if _active:
+        _modules.setdefault(_active[0], {}).update(current)
+    sys.modules.update(_modules.get(version, {}))
+    _active[:] = [version]
+
+
+def _versioned(fn: Any) -> Any:
+    """Cache ``fn`` per release and make that release the active one on every call."""
+    cached = cache(fn)
+
+    @functools.wraps(fn)
+    def call(version: str = PINNED) -> Any:
+        _activate(version)
+        return cached(version)
+    return call
 
 
 class _Inert(type(msgspec.Struct)):  # type: ignore[misc]
@@ -102,8 +139,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _load(module: str, real: dict[str, str]) -> types.ModuleType:
-    root = sglang_root()
+def _load(module: str, real: dict[str, str], version: str = PINNED) -> types.ModuleType:
+    _activate(version)
+    root = sglang_root(version)
     finder = _Finder(root, {**real, module: real[module]})
     saved = {k: v for k, v in sys.modules.items() if k == "sglang" or k.startswith("sglang.")}
     sys.meta_path.insert(0, finder)
@@ -118,65 +156,94 @@ def _load(module: str, real: dict[str, str]) -> types.ModuleType:
 
 _MSGSPEC = {"sglang.srt.utils.msgspec_utils": "sglang/srt/utils/msgspec_utils.py",
             "sglang.srt.utils.field_validators": "sglang/srt/utils/field_validators.py",
-            "sglang.srt.sampling.sampling_params": "sglang/srt/sampling/sampling_params.py"}
+            "sglang.srt.sampling.sampling_params": "sglang/srt/sampling/sampling_params.py",
+            # 0.5.23: SamplingParams normalizes its watermark request (absent from 0.5.19, never imported there)
+            **{f"sglang.srt.sampling.watermarking.{name}": f"sglang/srt/sampling/watermarking/{name}.py"
+               for name in ("core", "config", "detector")}}
 
 
-@cache
-def io_struct() -> types.ModuleType:
+@_versioned
+def io_struct(version: str) -> types.ModuleType:
     return _load("sglang.srt.managers.io_struct", {"sglang.srt.managers.io_struct": "sglang/srt/managers/io_struct.py",
-                                                   **_MSGSPEC})
+                                                   **_MSGSPEC}, version)
 
 
-@cache
-def sampling_params() -> types.ModuleType:
-    return _load("sglang.srt.sampling.sampling_params", _MSGSPEC)
+@_versioned
+def sampling_params(version: str) -> types.ModuleType:
+    return _load("sglang.srt.sampling.sampling_params", _MSGSPEC, version)
 
 
-@cache
-def constants() -> types.ModuleType:
+@_versioned
+def constants(version: str) -> types.ModuleType:
     """``srt/constants.py``: the memory tags (``GPU_MEMORY_ALL_TYPES``) of release/resume_memory_occupation."""
-    return _load("sglang.srt.constants", {"sglang.srt.constants": "sglang/srt/constants.py"})
+    return _load("sglang.srt.constants", {"sglang.srt.constants": "sglang/srt/constants.py"}, version)
 
 
-@cache
-def tensor_bucket() -> types.ModuleType:
+@_versioned
+def tensor_bucket(version: str) -> types.ModuleType:
     return _load("sglang.srt.weight_sync.tensor_bucket",
-                 {"sglang.srt.weight_sync.tensor_bucket": "sglang/srt/weight_sync/tensor_bucket.py"})
+                 {"sglang.srt.weight_sync.tensor_bucket": "sglang/srt/weight_sync/tensor_bucket.py"}, version)
 
 
-def cut(relpath: str, qualname: str, namespace: dict[str, Any]) -> Any:
-    """The function (``name``) or method (``Class.name``, then taking ``self`` explicitly) ``qualname`` of
-    SGLang's file ``relpath``, cut out with ``ast`` and executed in ``namespace`` (its module globals)."""
-    path = sglang_root() / relpath
+def cut(relpath: str, qualname: str, namespace: dict[str, Any], version: str = PINNED) -> Any:
+    """The class or function (``name``) or method (``Class.name``, then taking ``self`` explicitly)
+    ``qualname`` of SGLang's file ``relpath``, cut out with ``ast`` and executed in ``namespace`` (its module
+    globals)."""
+    path = sglang_root(version) / relpath
     tree = ast.parse(path.read_text())
     *owner, name = qualname.split(".")
     body = tree.body
     for cls in owner:
         body = next(n for n in body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    func = next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
-    func.decorator_list = []
-    exec(compile(ast.Module(body=[func], type_ignores=[]), str(path), "exec"), namespace)
+    node = next(n for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name)
+    if isinstance(node, ast.FunctionDef):  # decorators and annotations name what the namespace need not hold
+        node.decorator_list = []
+        node.returns = None
+        for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+            arg.annotation = None
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
     return namespace[name]
 
 
-@cache
-def init_custom_process_group_fn() -> Any:
+@_versioned
+def init_custom_process_group_fn(version: str) -> Any:
     """``sglang.srt.utils.common.init_custom_process_group`` (its file imports CUDA packages; the function
     reads two module globals, ``torch`` and ``torch_release``)."""
     import torch
     from packaging import version as pkg_version
 
     return cut("srt/utils/common.py", "init_custom_process_group",
-               {"torch": torch, "torch_release": pkg_version.parse(torch.__version__).release})
+               {"torch": torch, "torch_release": pkg_version.parse(torch.__version__).release}, version)
 
 
-@cache
-def network() -> types.ModuleType:
-    return _load("sglang.srt.utils.network", {"sglang.srt.utils.network": "sglang/srt/utils/network.py"})
+@_versioned
+def network(version: str) -> types.ModuleType:
+    return _load("sglang.srt.utils.network", {"sglang.srt.utils.network": "sglang/srt/utils/network.py"}, version)
 
 
-@cache
-def weight_updater_methods() -> dict[str, Any]:
+@_versioned
+def serializer(version: str) -> Any:
+    """``MultiprocessingSerializer`` of ``utils/common.py`` (with its ``SafeUnpickler``, the allow-list every
+    tensor payload passes): how each TP rank opens its ``serialized_named_tensors`` entry."""
+    import base64
+    import io
+    import pickle
+
+    import torch
+
+    namespace: dict[str, Any] = {"io": io, "pickle": pickle, "torch": torch, "pybase64": base64}
+    from multiprocessing.reduction import ForkingPickler
+
+    namespace["ForkingPickler"] = ForkingPickler
+    source = (sglang_root(version) / "srt/utils/common.py").read_text()
+    if "def _safe_load_torch_storage" in source:
+        cut("srt/utils/common.py", "_safe_load_torch_storage", namespace, version)
+    cut("srt/utils/common.py", "SafeUnpickler", namespace, version)
+    return cut("srt/utils/common.py", "MultiprocessingSerializer", namespace, version)
+
+
+@_versioned
+def weight_updater_methods(version: str) -> dict[str, Any]:
     """The receiving side of SGLang's weight sync, ``WeightUpdater`` methods of
     ``model_executor/model_runner_components/weight_updater.py``: ``init_weights_update_group``,
     ``update_weights_from_distributed`` (with ``_update_bucketed_weights_from_distributed``) and
@@ -188,22 +255,78 @@ def weight_updater_methods() -> dict[str, Any]:
 
     namespace: dict[str, Any] = {
         "torch": torch, "logger": logging.getLogger("sglang.weight_updater"), "Optional": Any,
-        "init_custom_process_group": init_custom_process_group_fn(), "NetworkAddress": network().NetworkAddress,
-        "FlattenedTensorBucket": tensor_bucket().FlattenedTensorBucket,
-        "_unsupported_derived_weight_cache_error": lambda: None,
+        "init_custom_process_group": init_custom_process_group_fn(version),
+        "NetworkAddress": network(version).NetworkAddress,
+        "FlattenedTensorBucket": tensor_bucket(version).FlattenedTensorBucket,
+        "_unsupported_derived_weight_cache_error": lambda *model: None,
+        # 0.5.23's tensor path: the CUDA-IPC reduction patch has nothing to patch for CPU tensors, and the
+        # rank comes from SGLang's parallel state (the caller sets ``get_parallel``)
+        "monkey_patch_torch_reductions": lambda: None, "get_parallel": None,
     }
     where = "srt/model_executor/model_runner_components/weight_updater.py"
-    return {name: cut(where, f"WeightUpdater.{name}", namespace)
-            for name in ("init_weights_update_group", "update_weights_from_distributed",
-                         "_update_bucketed_weights_from_distributed", "destroy_weights_update_group")}
+    names = (("init_weights_update_group", "update_weights_from_distributed",
+              "_update_bucketed_weights_from_distributed", "update_weights_from_tensor",
+              "destroy_weights_update_group") if version == PINNED else
+             ("init_weights_update_group", "receive_weights_from_distributed",
+              "_receive_bucketed_weights_from_distributed", "load_weights_from_distributed",
+              "update_weights_from_tensor", "begin_weight_update", "end_weight_update",
+              "destroy_weights_update_group"))
+    _activate(version)
+    methods = {name: cut(where, f"WeightUpdater.{name}", namespace, version) for name in names}
+    namespace["LocalSerializedTensor"] = cut(where, "LocalSerializedTensor",
+                                             {"dataclass": __import__("dataclasses").dataclass, "List": list,
+                                              "MultiprocessingSerializer": serializer(version)}, version)
+    cut(where, "_unwrap_tensor", namespace, version)
+    # how each TP rank opens its own ``serialized_named_tensors`` entry (``managers/tp_worker.py``)
+    worker = {"monkey_patch_torch_reductions": lambda: None, "MultiprocessingSerializer": serializer(version),
+              "get_parallel": None}
+    methods["deserialize_own_rank"] = cut("srt/managers/tp_worker.py", "BaseTpWorker._deserialize_own_rank"
+                                          if version == PINNED else "BaseTpWorker.deserialize_own_rank",
+                                          worker, version)
+    return {"globals": namespace, "worker_globals": worker, **methods}
 
 
-@cache
-def weight_versions() -> types.ModuleType:
+@_versioned
+def scheduler_weight_updater(version: str) -> dict[str, Any]:
+    """0.5.23's scheduler side of weight updates (``managers/scheduler_components/weight_updater.py``,
+    ``SchedulerWeightUpdaterManager``): the session routes (``begin_weight_update`` / ``end_weight_update``),
+    the session check of ``update_weights_from_distributed`` and ``update_weights_from_tensor``, the flush
+    after an update, and the TP barrier; with ``TpModelWorker.deserialize_own_rank``
+    (``managers/tp_worker.py``: each rank opens ``serialized_named_tensors[tp_rank]``). Cut out and run with
+    the globals they read; the caller sets ``get_parallel`` (the rank) in ``globals``."""
+    import contextlib
+    import logging
+
+    import msgspec
+    import torch
+
+    io = io_struct(version)
+    namespace: dict[str, Any] = {
+        "torch": torch, "msgspec": msgspec, "logger": logging.getLogger("sglang.scheduler_weight_updater"),
+        "Optional": Any, "get_parallel": None, "monkey_patch_torch_reductions": lambda: None,
+        "MultiprocessingSerializer": serializer(version), "Set": set, "List": list, "Tuple": tuple, "Dict": dict,
+        **{name: getattr(io, name) for name in dir(io) if name.endswith(("ReqInput", "ReqOutput"))},
+    }
+    where = "srt/managers/scheduler_components/weight_updater.py"
+    cut(where, "_parse_runner_selector", namespace, version)
+    cut(where, "_WeightUpdateSession", namespace, version)
+    methods = {name: cut(where, f"SchedulerWeightUpdaterManager.{name}", namespace, version)
+               for name in ("_select_runners", "flush_cache_after_weight_update",
+                            "record_weight_version_after_update", "begin_weight_update", "end_weight_update",
+                            "update_weights_from_distributed", "update_weights_from_tensor",
+                            "init_weights_update_group", "destroy_weights_update_group")}
+    methods["_observe_weight_load"] = contextlib.contextmanager(
+        cut(where, "SchedulerWeightUpdaterManager._observe_weight_load", {**namespace, "time": __import__("time")},
+            version))
+    return {"globals": namespace, **methods}
+
+
+@_versioned
+def weight_versions(version: str) -> types.ModuleType:
     """``utils/weight_versions.py``: per-request weight version events and the ``weight_versions`` spans
     SGLang adds to a finished output's ``meta_info``."""
     return _load("sglang.srt.utils.weight_versions",
-                 {"sglang.srt.utils.weight_versions": "sglang/srt/utils/weight_versions.py", **_MSGSPEC})
+                 {"sglang.srt.utils.weight_versions": "sglang/srt/utils/weight_versions.py", **_MSGSPEC}, version)
 
 
 @cache
