@@ -24,7 +24,7 @@ EXPORT_ENV = {
     "AGENTRL_GATEWAY_GROUP_SIZE": "4",
     "AGENTRL_GATEWAY_GAMMA": "0.9",
     "AGENTRL_GATEWAY_TICK_S": "0.1",
-    "AGENTRL_GATEWAY_LEASE_TIMEOUT_S": "1.5",
+    "AGENTRL_GATEWAY_LEASE_TIMEOUT_S": "3",  # the tests ack within it (a call or two); expiry waits past it
     "AGENTRL_GATEWAY_RETRY_AFTER_S": "3",
 }
 
@@ -93,7 +93,7 @@ def two_turns(client: openai.OpenAI, seed: int):
     return first, second
 
 
-def lease(admin: httpx.Client, max_groups: int = 1, wait_s: float = 15.0):
+def lease(admin: httpx.Client, max_groups: int = 1, wait_s: float = 120.0):
     resp = admin.get("/v1/trajectories", params={"max_groups": max_groups, "wait_s": wait_s}, timeout=wait_s + 30)
     if resp.status_code == 204:
         return None, None, None
@@ -116,6 +116,14 @@ def error_code(resp: httpx.Response) -> str:
     return resp.json()["error"]["code"]
 
 
+def past(deadline: float) -> None:
+    """Sleep until the wall clock is past a lease's ``lease_deadline`` (the gateway's SQL queue reads
+    ``time.time()``, its Redis queue Redis's TIME: the same host clock); waiting longer cannot make a lease
+    less expired."""
+    while time.time() <= deadline + 0.1:
+        time.sleep(max(0.01, deadline + 0.1 - time.time()))
+
+
 def test_group_of_four_two_turn_sessions_leased_as_one_batch(gw):
     with gw.admin() as admin:
         # A trainer with room for everything this test makes (a fresh registration: the budget restarts).
@@ -136,6 +144,7 @@ def test_group_of_four_two_turn_sessions_leased_as_one_batch(gw):
         assert admin.post(f"/v1/sessions/{sessions[3]['session_id']}/finish").status_code == 200
 
         rows, meta, lease_id = lease(admin)
+        assert lease(admin, wait_s=0)[0] is None  # leased: nothing else to lease (checked within the lease)
         ids = [s["session_id"] for s in sessions]
         assert sorted(r.session_id for r in rows) == sorted(ids)
         assert [g["group_id"] for g in meta["groups"]] == ["grp-selfcorrect"]
@@ -171,11 +180,10 @@ def test_group_of_four_two_turn_sessions_leased_as_one_batch(gw):
         assert r.status_code == 409 and r.json()["error"]["type"] == "conflict_error"
 
         # Not acknowledged within the lease timeout: the group comes back under a new lease.
-        assert lease(admin, wait_s=0.3)[0] is None
-        time.sleep(1.7)
+        past(meta["lease_deadline"])
         r = admin.post("/v1/trajectories/ack", json={"lease_id": lease_id})
         assert r.status_code == 409 and error_code(r) == "lease_expired"
-        again, meta2, lease2 = lease(admin, wait_s=5)
+        again, meta2, lease2 = lease(admin)
         assert lease2 != lease_id and meta2["groups"][0]["deliveries"] == 2
         assert sorted(r.row_id for r in again) == sorted(r.row_id for r in rows)  # same ids: dedupable
         r = admin.post("/v1/trajectories/ack", json={"lease_id": lease2})
@@ -184,7 +192,7 @@ def test_group_of_four_two_turn_sessions_leased_as_one_batch(gw):
         assert r.status_code == 409 and error_code(r) == "lease_acked"
         r = admin.post("/v1/trajectories/ack", json={"lease_id": "lease-unknown"})
         assert r.status_code == 404
-        time.sleep(1.7)
+        past(meta2["lease_deadline"])
         assert lease(admin, wait_s=0.3)[0] is None  # acknowledged: never re-delivered
 
         for params in ({"max_groups": 0}, {"max_groups": 5000}, {"max_groups": "many"}, {"wait_s": -1}):
@@ -230,14 +238,19 @@ def test_staleness_budget_429_then_admission_after_version_advances(gw):
             assert admin.post("/v1/sessions", json=pairs[2]).status_code == 200
         assert admin.post("/v1/sessions", json=pairs[2]).status_code == 429
 
-        # pair-a's tokens carry version 0 < v - k = 1: the group is held back, not leased.
-        assert lease(admin, wait_s=1.0)[0] is None
-        queue = admin.get("/v1/trajectories/stats").json()["queue"]
+        # pair-a's tokens carry version 0 < v - k = 1: the group is held back, not leased. A lease holds it
+        # once the lifecycle has queued it (a tick after the finish): every lease until then gets nothing.
+        deadline = time.monotonic() + 120  # a hang guard
+        while True:
+            assert lease(admin, wait_s=0.2)[0] is None
+            queue = admin.get("/v1/trajectories/stats").json()["queue"]
+            if queue["held"] or time.monotonic() > deadline:
+                break
         assert queue["held"] == 1 and queue["held_rows"] == 2
         # A trainer that accepts older data (k = 1) gets it.
         r = admin.post("/admin/trainer", json={"version": 1, "batch_size": 1, "staleness_bound": 1})
         assert r.status_code == 200
-        rows, meta, lease_id = lease(admin, wait_s=5)
+        rows, meta, lease_id = lease(admin)
         assert sorted(r.session_id for r in rows) == sorted(s["session_id"] for s in sessions[:2])
         assert admin.post("/v1/trajectories/ack", json={"lease_id": lease_id}).status_code == 200
 
