@@ -95,6 +95,7 @@ class Turn:
     top_k: int = -1
     penalties: tuple[str, ...] = ()  # names of the penalties it was sampled under (gateway.constraints)
     grammar: str = ""  # what constrained it, e.g. "json_schema (response_format)"; "" = unconstrained
+    thread: str = ""  # its episode thread segment ("thread#segment", gateway.episodes); "" = not labelled
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, dtype=np.int32))
@@ -130,8 +131,29 @@ def turn_from_interaction(record: Any) -> Turn:
         request_hash=record.request_hash,
         created_at=record.created_at,
         request_id=str((getattr(record, "request", None) or {}).get("request_id") or ""),
+        thread=thread_of(getattr(record, "request", None)),
         **sampling_of(getattr(record, "request", None)),
     )
+
+
+def thread_of(request: Any) -> str:
+    """``"thread#segment"`` of a turn recorded with an episode label (``request["episode"]``), else ``""``."""
+    label = request.get("episode") if isinstance(request, dict) else None
+    if not isinstance(label, dict) or "thread" not in label:
+        return ""
+    return f"{label['thread']}#{label.get('segment', '0')}"
+
+
+def episode_reward(turns: Sequence[Turn], rows: list[Row], session_reward: float | None) -> None:
+    """An episode of several threads or segments (a coding agent's sub-agents, its compacted windows) is ONE
+    sample with one outcome: every row gets the episode's reward (the session's reward, else the mean of
+    the rows' own), so that the trainer gives all of them one advantage. Per-turn rewards and returns stay
+    as they are. Sessions of one thread are left alone."""
+    if len({t.thread for t in turns if t.thread}) < 2 or not rows:
+        return
+    reward = float(session_reward) if session_reward is not None else float(np.mean([r.reward for r in rows]))
+    for row in rows:
+        row.reward = reward
 
 
 def sampling_of(request: Any) -> dict[str, Any]:
@@ -461,13 +483,17 @@ def check_trainable(turns: Sequence[Turn]) -> None:
 
 def export_session(turns: Sequence[Turn], *, mode: str = "concat", **kwargs: Any) -> list[Row]:
     """Dispatch to :func:`export_concat` or :func:`export_individual` by name (after
-    :func:`check_trainable`)."""
+    :func:`check_trainable`); the rows of an episode of several threads share its reward
+    (:func:`episode_reward`)."""
     check_trainable(turns)
     if mode == "concat":
-        return export_concat(turns, **kwargs)
-    if mode == "individual":
-        return export_individual(turns, **kwargs)
-    raise ValueError(f"unknown export mode {mode!r}; valid: {', '.join(EXPORT_MODES)}")
+        rows = export_concat(turns, **kwargs)
+    elif mode == "individual":
+        rows = export_individual(turns, **kwargs)
+    else:
+        raise ValueError(f"unknown export mode {mode!r}; valid: {', '.join(EXPORT_MODES)}")
+    episode_reward(turns, rows, kwargs.get("session_reward"))
+    return rows
 
 
 # ------------------------------------------------------------------------------------- binary batches

@@ -11,7 +11,7 @@ with the rest): the trigger becomes a user message asking for a hand-off summary
 the turn is generated with ``tool_choice: "none"`` (text only, tools still in the prompt so that the turn
 continues its thread token-exact), and the answer is rendered as one ``compaction`` item whose
 ``encrypted_content`` is :func:`handle`: this gateway's marker, the summarizer turn's id and the summary
-text, base64url-encoded. It is not encrypted (the client holds the history it stands for anyway); it is
+text (base64url). It is not encrypted (the client holds the history it stands for anyway); it is
 self-contained, so any replica can expand it without a lookup. A ``compaction`` item in a later input is
 expanded back into a user message holding the summary (:data:`SUMMARY_PREFIX` + text); one this gateway did
 not mint is refused with 400 (there is nothing to expand it into). What the item stands for is recorded
@@ -22,7 +22,6 @@ names that turn (``gateway.episodes.linker``).
 from __future__ import annotations
 
 import base64
-import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -38,8 +37,9 @@ SUMMARY_PREFIX = "Summary of the earlier part of this task, written before the c
 
 
 def handle(turn_id: str, summary: str) -> str:
-    raw = json.dumps({"turn": turn_id, "summary": summary}, ensure_ascii=False, separators=(",", ":"))
-    return HANDLE_PREFIX + base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+    """``agentrl.compaction.v1.<turn id>.<base64url of the summary>`` (the turn id stays readable, so that
+    the linker finds it in the next window without decoding)."""
+    return HANDLE_PREFIX + turn_id + "." + base64.urlsafe_b64encode(summary.encode()).decode().rstrip("=")
 
 
 def expand(content: object, param: str) -> tuple[str, str]:
@@ -47,11 +47,12 @@ def expand(content: object, param: str) -> tuple[str, str]:
     if not isinstance(content, str) or not content.startswith(HANDLE_PREFIX):
         raise InvalidRequest("a compaction item's encrypted_content must be one this gateway returned (it "
                              "expands it into the summary it stands for)", param=param)
-    body = content[len(HANDLE_PREFIX):]
+    turn_id, dot, body = content[len(HANDLE_PREFIX):].partition(".")
     try:
-        data = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
-        return str(data["turn"]), str(data["summary"])
-    except (ValueError, KeyError, TypeError) as exc:
+        if not dot or not turn_id:
+            raise ValueError("no turn id")
+        return turn_id, base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode()
+    except ValueError as exc:  # binascii.Error and UnicodeDecodeError are ValueErrors
         raise InvalidRequest("a compaction item's encrypted_content is damaged", param=param) from exc
 
 

@@ -16,12 +16,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from gateway.store.schema import sessions
+
 metadata = sa.MetaData()
 
 episode_threads = sa.Table(
     "episode_threads",
     metadata,
-    sa.Column("session_id", sa.String(64), sa.ForeignKey("sessions.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("session_id", sa.String(64), sa.ForeignKey(sessions.c.id, ondelete="CASCADE"), primary_key=True),
     sa.Column("thread", sa.String(255), primary_key=True),
     sa.Column("segment", sa.String(64), primary_key=True),
     sa.Column("client", sa.String(32), nullable=False),

@@ -148,6 +148,14 @@ def _summary_after(rows: list[dict[str, Any]], index: int) -> str | None:
     return None
 
 
+def _texts_of(value: Any) -> list[str]:
+    if isinstance(value, Mapping):
+        return [t for k, v in value.items() for t in ([v] if k == "text" and isinstance(v, str) else _texts_of(v))]
+    if isinstance(value, list):
+        return [t for v in value for t in _texts_of(v)]
+    return []
+
+
 def role_of(row: Mapping[str, Any]) -> str:
     return str(row.get("fake_role") or "main")
 
@@ -158,7 +166,10 @@ def scripted_replies(rows: list[dict[str, Any]], final: str = "Done.") -> list[s
     for i, row in enumerate(rows):
         reply: str | None = None
         if role_of(row) in ("compaction_summarizer", "remote_compaction_v2"):
-            reply = _summary_after(rows, i) or "Summary: the steps so far are done; continue with the rest."
+            reply = _summary_after(rows, i) or (
+                "<analysis>The steps so far worked.</analysis>\n<summary>1. Task: the files the user asked for."
+                "\n2. Done so far: the first steps.\n3. Next: the rest, then reply done.</summary>"
+                if api_of(row) == "messages" else "SUMMARY: the first steps are done; next: the rest, then done.")
         else:
             mine = [_plain(x) for x in _history(row)]
             for later in rows[i + 1:]:
@@ -173,8 +184,34 @@ def scripted_replies(rows: list[dict[str, Any]], final: str = "Done.") -> list[s
                         reply = _responses_reply(nxt) or None
                     if reply is not None:
                         break
+        if reply is None:
+            reply = _by_ids(rows, i)
         replies.append(reply if reply is not None else final)
     return replies
+
+
+def _by_ids(rows: list[dict[str, Any]], index: int) -> str | None:
+    """The reply of request ``index`` found by its tool call ids in a later request of its thread (after a
+    compaction the next window re-sends the last round, while no request extends this one)."""
+    reply = rows[index].get("fake_reply") or {}
+    wanted = set(reply.get("tool_use_ids") or reply.get("call_ids") or [])
+    if not wanted:
+        return None
+    for later in rows[index + 1:]:
+        if thread_of(later) != thread_of(rows[index]):
+            continue
+        history = _history(later)
+        for k, item in enumerate(history):
+            if api_of(later) == "messages" and item.get("role") == "assistant" and isinstance(item.get("content"), list):
+                if wanted & {b.get("id") for b in item["content"] if isinstance(b, Mapping)}:
+                    return _messages_reply(item)
+            elif api_of(later) == "responses" and item.get("type") == "function_call" and item.get("call_id") in wanted:
+                start = k
+                while start > 0 and (history[start - 1].get("type") == "function_call" or
+                                     history[start - 1].get("role") == "assistant"):
+                    start -= 1
+                return _responses_reply(history[start:])
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- replay
@@ -189,23 +226,49 @@ def sse_events(text: str) -> list[dict[str, Any]]:
     return out
 
 
-def answer_ids(api: str, resp: httpx.Response) -> tuple[str, list[str], list[dict[str, Any]]]:
-    """(response id, tool call ids in order, compaction items) of an answer, streamed or not."""
+@dataclass
+class Answer:
+    id: str
+    calls: list[str]  # tool call ids, in order
+    text: str
+    compactions: list[dict[str, Any]]
+
+
+def read_answer(api: str, resp: httpx.Response) -> Answer:
+    """What the gateway answered, streamed or not."""
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
         events = sse_events(resp.text)
         if api == "messages":
             start = next(e for e in events if e["type"] == "message_start")["message"]
             calls = [e["content_block"]["id"] for e in events
                      if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use"]
-            return start["id"], calls, []
+            text = "".join(e["delta"].get("text", "") for e in events
+                           if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta")
+            return Answer(start["id"], calls, text, [])
         final = next(e for e in events if e["type"] in ("response.completed", "response.incomplete"))["response"]
     else:
         final = resp.json()
         if api == "messages":
-            return final["id"], [b["id"] for b in final["content"] if b["type"] == "tool_use"], []
+            return Answer(final["id"], [b["id"] for b in final["content"] if b["type"] == "tool_use"],
+                          "".join(b.get("text", "") for b in final["content"] if b["type"] == "text"), [])
     output = final["output"]
-    return (final["id"], [o["call_id"] for o in output if o["type"] == "function_call"],
-            [o for o in output if o["type"] == "compaction"])
+    text = "".join(p.get("text", "") for o in output if o["type"] == "message" for p in o["content"])
+    return Answer(final["id"], [o["call_id"] for o in output if o["type"] == "function_call"], text,
+                  [o for o in output if o["type"] == "compaction"])
+
+
+def _marker_parts(name: str, start: str, end: str | None) -> tuple[str, str]:
+    """The text around the summary in a marker file (the CLI's own wording of a summary's window)."""
+    text = (TRAFFIC / "markers" / name).read_text()
+    text = text.split("---- next text block ----\n", 1)[-1]
+    head, _, rest = text.partition(start)
+    tail = rest[rest.index(end):] if end else ""
+    return head + start, tail.rstrip("\n")
+
+
+CLAUDE_WINDOW = _marker_parts("claude_post_compaction_first_user_message.txt", "Summary:\n",
+                              "\n\nIf you need specific details")
+CODEX_WINDOW = _marker_parts("codex_post_compaction_summary_message.txt", CODEX_SUMMARY_MARK, None)
 
 
 @dataclass
@@ -219,8 +282,8 @@ class Replayer:
 
     def body(self, row: Mapping[str, Any]) -> dict[str, Any]:
         raw = json.dumps(row["body"], ensure_ascii=False)
-        for fake, ours in self.ids.items():
-            raw = raw.replace(fake, ours)
+        for fake, ours in self.ids.items():  # as JSON string contents (texts hold quotes and newlines)
+            raw = raw.replace(json.dumps(fake, ensure_ascii=False)[1:-1], json.dumps(ours, ensure_ascii=False)[1:-1])
         body = json.loads(raw)
         body["tools"] = usable_tools(body.get("tools"), api_of(row))
         return body
@@ -241,15 +304,32 @@ class Replayer:
         query = "?" + row["query"] if row.get("query") else ""
         resp = await self.http.post(self.prefix + row["path"] + query, json=self.body(row), headers=self.headers(row))
         assert resp.status_code == 200, (index, resp.status_code, resp.text[:2000])
-        rid, calls, compactions = answer_ids(api_of(row), resp)
-        self.answers.append(rid)
+        answer = read_answer(api_of(row), resp)
+        self.answers.append(answer.id)
         reply = row.get("fake_reply") or {}
         fake_calls = reply.get("tool_use_ids") or reply.get("call_ids") or []
-        assert len(fake_calls) == len(calls), (index, fake_calls, calls)
-        self.ids.update({f: o for f, o in zip(fake_calls, calls) if f != o})
-        if compactions:
-            self._map_compaction(index, compactions[0])
+        assert len(fake_calls) == len(answer.calls), (index, fake_calls, answer.calls)
+        self.ids.update({f: o for f, o in zip(fake_calls, answer.calls) if f != o})
+        if answer.compactions:
+            self._map_compaction(index, answer.compactions[0])
+        if role_of(row) == "compaction_summarizer":
+            self._map_summary(index, answer.text)
         return resp
+
+    def _map_summary(self, index: int, text: str) -> None:
+        """The next window's summary message (cut short in the capture) -> the CLI's wording around the
+        summary this gateway's model wrote."""
+        if "<summary>" in text:
+            text = text.split("<summary>", 1)[1].split("</summary>", 1)[0]
+        thread = thread_of(self.rows[index])
+        for later in self.rows[index + 1:]:
+            if thread_of(later) != thread:
+                continue
+            for old in _texts_of(later["body"]):
+                if old.startswith(CLAUDE_WINDOW[0][:60]) and "Summary:" in old:
+                    self.ids[old] = CLAUDE_WINDOW[0] + text + CLAUDE_WINDOW[1]
+                elif old.startswith(CODEX_WINDOW[0][:60]):
+                    self.ids[old] = CODEX_WINDOW[0] + text
 
     def _map_compaction(self, index: int, item: Mapping[str, Any]) -> None:
         """The fake's compaction item in later requests -> the gateway's (found by its type)."""
