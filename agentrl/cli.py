@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "engine": "engine.cli",
     "gateway": "gateway.cli",
     "train": "trainer.cli",
+    "export-model": "trainer.export",
     "agent": "agents.cli",
     "bench": "agentrl.bench",
 }

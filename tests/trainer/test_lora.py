@@ -201,3 +201,37 @@ def test_a_refused_adapter_push_keeps_the_old_adapter_and_version(engine, tiny_m
     again = generate_with(engine, "policy")
     assert again["output_ids"] == served["output_ids"] and again["version"] == start + 1
     assert httpx.get(engine + "/get_server_info").json()["internal_states"][0]["paused"] is None  # resumed
+
+
+def test_export_model_writes_the_adapter_or_the_merged_model(tiny_model_dir, dist_info, tmp_path):
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import REPO
+
+    model, optimizer, _ = trained(tiny_model_dir, dist_info)
+    ckpt = checkpoint.save(tmp_path / "ckpt", checkpoint.TrainerState(step=2, version=2), model, optimizer,
+                           dist_info, source_dir=tiny_model_dir)
+
+    def export(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "agentrl", "export-model", "--checkpoint", str(ckpt), *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    done = export("--out", str(tmp_path / "adapter"))
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    done = export("--out", str(tmp_path / "merged"), "--merge", "--model", "tiny")
+    assert done.returncode == 0, done.stderr
+    by_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                        str(tmp_path / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert (logits(merged) - logits(by_peft)).abs().max() < 1e-4
+    refused = export("--out", str(tmp_path / "merged"), "--merge")  # not empty
+    assert refused.returncode == 2 and "not empty" in refused.stderr
+    full = subprocess.run([sys.executable, "-m", "agentrl", "export-model", "--checkpoint", str(tmp_path / "merged"),
+                           "--out", str(tmp_path / "again"), "--merge"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert full.returncode == 2 and "nothing to merge" in full.stderr
