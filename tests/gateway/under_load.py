@@ -37,6 +37,10 @@ class Agents:
     sessions: list[dict[str, str]]  # POST /v1/sessions answers (session_id, api_key)
     expect_up: bool = False  # the gateway stays up: anything but 200 / 503 is a failure
     max_tokens: int = 6
+    # a conversation starts again (a new root in the same session) after this many turns, so that no
+    # conversation outgrows the tiny model's 2,048-token context however long a test's outage lasts and
+    # however fast the machine answers (unbounded, a fast run reached 2,049 tokens and got a correct 400)
+    max_turns: int = 40
     acked: list[Acked] = field(default_factory=list)
     statuses: Counter[int] = field(default_factory=Counter)  # 200, 503, 500, ...; 0 = no HTTP answer
     failures: list[str] = field(default_factory=list)
@@ -57,11 +61,18 @@ class Agents:
         assert not any(t.is_alive() for t in self._threads), "an agent did not stop"
 
     def wait_acked(self, n: int, timeout_s: float = 300) -> None:
-        """Wait until ``n`` turns in all were acknowledged (generous: the machine may be loaded)."""
+        """Wait until ``n`` turns in all were acknowledged (the timeout is a hang guard)."""
         deadline = time.monotonic() + timeout_s
         while len(self.acked) < n and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(self.acked) >= n, f"only {len(self.acked)} turns acknowledged: {self.statuses} {self.failures[:3]}"
+
+    def wait_status(self, status: int, more_than: int, timeout_s: float = 300) -> None:
+        """Wait until more than ``more_than`` answers of ``status`` were counted (the timeout is a hang guard)."""
+        deadline = time.monotonic() + timeout_s
+        while self.statuses[status] <= more_than and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.statuses[status] > more_than, f"no {status} seen: {self.statuses} {self.failures[:3]}"
 
     def _count(self, status: int, failure: str | None = None) -> None:
         with self._lock:
@@ -102,6 +113,8 @@ class Agents:
             turn += 1
             messages = messages + [r.choices[0].message.model_dump(exclude_none=True),
                                    {"role": "user", "content": f"q{turn}"}]
+            if turn % self.max_turns == 0:  # a fresh conversation: its first turn is a root
+                messages, parent = [{"role": "user", "content": f"q0 of round {turn // self.max_turns}"}], None
 
     def acked_after(self, mark: int) -> dict[str, int]:
         """Turns acknowledged per session since ``len(acked)`` was ``mark``."""
