@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.admission import AlwaysAdmit
+from gateway.admission import Admission
 from gateway.binding import ImplicitIndex
 from gateway.chat.normalize import link_cache_sizes
 from gateway.chat.template import ChatTemplate
@@ -36,6 +36,7 @@ from gateway.control import ControlPlane
 from gateway.engine_client import EngineRouter
 from gateway.engines import EngineInfo, connect_engines
 from gateway.fasthttp import FastHTTP
+from gateway.lifecycle import ExportSettings, StalenessAdmission, TrajectoryService
 from gateway.memory import trim_loop
 from gateway.errors import (
     Conflict,
@@ -245,7 +246,7 @@ def create_app(
     http: httpx.AsyncClient | None = None,
     store: Store | None = None,
     tokenizer: Any | None = None,
-    admission: Any | None = None,
+    admission: Admission | None = None,
     freeze_gc: bool = False,
     trim_memory_s: float | None = None,
 ) -> FastAPI:
@@ -269,6 +270,7 @@ def create_app(
         opened: Store | None = store
         control: ControlPlane | None = None
         router: EngineRouter | None = None
+        trajectories: TrajectoryService | None = None
         trimmer: asyncio.Task[None] | None = None
         try:
             engines = await connect_engines(settings.engine_url, settings.engine_kind, client,
@@ -298,14 +300,17 @@ def create_app(
                 opened = await StoreImpl.open(settings.db, redis_url=settings.redis,
                                               redis_prefix=settings.redis_prefix)
             name = settings.model_name or model_name(info)
-            if not hasattr(app.state, "admission"):
-                app.state.admission = admission or AlwaysAdmit()
             app.state.started_at = time.time()
             control = ControlPlane(router, metrics, redis=opened.redis, prefix=opened.redis_prefix,
                                    pause_timeout_s=settings.pause_timeout_s)
+            # the lifecycle, built here and handed to the services typed: the export loop (with the
+            # in-flight registry it reads) and, unless another was given, the staleness admission hook
+            trajectories = TrajectoryService(opened, ExportSettings.from_settings(settings))
+            chosen: Admission = admission or StalenessAdmission(trajectories)
             app.state.services = Services(
                 settings=settings, store=opened, router=router, tokenizer=tok, template=template,
                 metrics=metrics, model_name=name, context_length=context, implicit=ImplicitIndex(opened),
+                admission=chosen, inflight=trajectories.inflight, trajectories=trajectories,
                 app_state=app.state, control=control)
             services = app.state.services
             metrics.watch_caches(lambda: [*services.store.cache_sizes(), *services.implicit.cache_sizes(),
@@ -313,6 +318,7 @@ def create_app(
                                           *link_cache_sizes()])
             await router.start()
             await control.start()
+            trajectories.start()
             log.info("gateway ready: model %s, context %d, engines %s, db %s", name, context,
                      settings.engine_url, settings.db.split("@")[-1])
             if freeze_gc:
@@ -332,6 +338,8 @@ def create_app(
         finally:
             if trimmer is not None:
                 trimmer.cancel()
+            if trajectories is not None:
+                await trajectories.stop()
             if control is not None:
                 await control.close()
             if router is not None:
@@ -347,8 +355,6 @@ def create_app(
                      openapi_url=None)
     app.state.metrics = metrics
     app.metrics = metrics
-    if admission is not None:
-        app.state.admission = admission
     _install_error_handlers(app)
     for router_, prefix in routers():
         app.include_router(router_, prefix=prefix)

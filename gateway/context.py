@@ -1,4 +1,9 @@
-"""What the routes and services share: built once in the app's lifespan and injected via ``app.state``."""
+"""What the routes and services share: built once in the app's lifespan and injected via ``app.state``.
+
+Every part is typed: the lifecycle's objects (the in-flight registry, the admission hook, the export
+loop) are built next to the store in ``gateway.app``'s lifespan and handed in here, so a service reads
+``svc.inflight`` instead of probing the app's state for something a route module may have put there.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from starlette.datastructures import State
 
+from gateway.admission import Admission
+from gateway.binding import ImplicitIndex
 from gateway.chat.template import ChatTemplate
 from gateway.control import ControlPlane
 from gateway.engine_client import EngineRouter
+from gateway.lifecycle import InFlight, TrajectoryService
 from gateway.metrics import Metrics
 from gateway.settings import GatewaySettings
 from gateway.store import Store
@@ -20,19 +29,17 @@ class Services:
     settings: GatewaySettings
     store: Store
     router: EngineRouter
-    tokenizer: Any
+    tokenizer: Any  # a Hugging Face tokenizer (its classes share no base worth naming)
     template: ChatTemplate
     metrics: Metrics
     model_name: str
     context_length: int
-    implicit: Any  # gateway.binding.ImplicitIndex
-    app_state: Any  # the app's ``state``: ``admission`` lives there so that it can be replaced
+    implicit: ImplicitIndex  # implicit mode's episode index
+    admission: Admission  # charges new sessions (the staleness budget unless create_app was given another)
+    inflight: InFlight  # the turns in flight, which the lifecycle never cuts off
+    trajectories: TrajectoryService  # the export loop and what the trajectory routes call
+    app_state: State  # the app's state, for parts that keep a per-app object there (trainer log, episodes)
     control: ControlPlane | None = None  # pause state and weight version shared by every replica
-
-    @property
-    def admission(self) -> Any:
-        """The current admission control (``gateway.admission.Admission``)."""
-        return self.app_state.admission
 
 
 def services(request: Request) -> Services:

@@ -56,9 +56,7 @@ def target_size(metadata: dict[str, Any] | None, default: int) -> int:
 
 def _notify(svc: Services) -> None:
     """Wake the lifecycle (a group may be ready now)."""
-    service = getattr(svc.app_state, "trajectories", None)
-    if service is not None:
-        service.notify()
+    svc.trajectories.notify()
 
 
 async def create_group(svc: Services, *, size: int, group_id: str | None, task_id: str | None,

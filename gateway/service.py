@@ -19,7 +19,7 @@ core never renders a response. For a conversation turn:
    then return (or, when streaming, yield ``recorded``, after which the format sends its final events).
 
 From the moment its session is known until it is recorded or fails, a turn is reported to the lifecycle
-(``app.state.inflight``, see ``gateway.lifecycle.InFlight``), so that its session is never idle-finished or
+(``Services.inflight``, see ``gateway.lifecycle.InFlight``), so that its session is never idle-finished or
 exported under it, also while the turn is held during a weight-sync pause.
 
 Nothing is recorded for a request that fails before step 6 (bad input, engine down), so no partial rows.
@@ -164,10 +164,9 @@ class GenerationService:
     # ------------------------------------------------------------------------------------ in flight
     async def _track(self, turn: Turn, session: SessionRecord | None) -> None:
         """Report a turn of ``session`` in flight until ``turn`` closes (no-op for an implicit episode
-        not created yet, or an app without the lifecycle)."""
-        inflight = getattr(self.svc.app_state, "inflight", None)
-        if inflight is not None and session is not None:
-            await turn.hold(inflight.track(session.id))
+        not created yet)."""
+        if session is not None:
+            await turn.hold(self.svc.inflight.track(session.id))
 
     async def _track_planned(self, turn: Turn, given: SessionRecord | KeyedSession | None, plan: TurnPlan) -> None:
         """Also track the session planning found (an implicit-mode continuation), unless its marker was
@@ -197,8 +196,8 @@ class GenerationService:
         """The implicit episode this turn continues (its session active and created under this caller's
         key), else None: a new root. With Redis, one round trip also brings the parent index's entry and
         adds the turn's in-flight marker, which ``turn`` then holds (``plan.tracked``)."""
-        inflight = getattr(self.svc.app_state, "inflight", None)
-        marker = inflight.marker() if inflight is not None else None
+        inflight = self.svc.inflight
+        marker = inflight.marker()
         try:
             hit = await self.svc.implicit.lookup(hashes, marker)
             if hit is None:
@@ -231,9 +230,9 @@ class GenerationService:
         index's entry for the longest candidate (``hashes[0]``; none for a first turn) and, for a session
         known by its key only, the session's record come in one round trip (``plan.tracked``); the result
         carries the record. Without Redis: the marker alone, and None (or, for a :class:`KeyedSession`,
-        which only an app without the lifecycle meets there, its record read from the store)."""
-        inflight = getattr(self.svc.app_state, "inflight", None)
-        marker = inflight.marker() if inflight is not None else None
+        its record read from the store)."""
+        inflight = self.svc.inflight
+        marker = inflight.marker()
         hit = None
         if marker is not None:
             known = session if isinstance(session, SessionRecord) else None
@@ -265,16 +264,38 @@ class GenerationService:
                 param="messages")
         return chars
 
+    async def _refuse_too_many_tokens(self, messages: Any, tools: Any, chars: int) -> None:
+        """Refuse a conversation of more than ``OFF_LOOP_CHARS`` whose rendering has more tokens than the
+        context, before the prompt's ids are built: the count is the fast tokenizer's own (its Rust
+        ``encode_batch`` releases the interpreter lock), where building the ids of a 7.9 MB prompt (3.2 M
+        tokens) as Python lists held the lock for ~105 ms and so stalled the event loop (issue 36). The
+        margin keeps a prompt stitched from its parent's tokens (which may differ from the rendering by a
+        few tokens) out of this shortcut; it is checked exactly once built."""
+        count = await _off_loop(_count_tokens, self.svc.template, self.svc.tokenizer, messages, tools or None,
+                                chars=chars)
+        ctx = self.svc.context_length
+        if count is not None and count >= ctx + TOKEN_COUNT_MARGIN:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {ctx} tokens; the messages have {count} tokens. "
+                "Shorten the conversation.", param="messages")
+
     async def plan_chat(self, req: ChatCompletionRequest, session: SessionRecord | KeyedSession | None,
                         turn: Turn) -> TurnPlan:
         started = time.perf_counter()
+        # a conversation of megabytes is validated, counted in tokens and hashed off the event loop
+        big = _text_chars(req.messages) + _text_chars(req.tools) > OFF_LOOP_CHARS
         try:
-            validate_messages(req.messages, req.tools)
+            if big:
+                await asyncio.to_thread(validate_messages, req.messages, req.tools)
+            else:
+                validate_messages(req.messages, req.tools)
         except ChatFormatError as exc:
             raise from_chat_error(exc) from exc
         messages: list[dict[str, Any]] = req.messages
         chars = self._refuse_surely_too_long(messages, req.tools)
-        hashes = chain_hashes(messages)
+        if big:
+            await self._refuse_too_many_tokens(messages, req.tools, chars)
+        hashes = await asyncio.to_thread(chain_hashes, messages) if big else chain_hashes(messages)
         candidates = [(k, hashes[k - 1]) for k in range(len(messages) - 1, 0, -1)
                       if messages[k - 1].get("role") == "assistant"]
         implicit = session is None
@@ -454,7 +475,7 @@ class GenerationService:
     async def _record(self, plan: TurnPlan, runs: list[ChoiceRun], chain: Callable[[ChoiceRun], str],
                       turn: Turn) -> None:
         store, metrics = self.svc.store, self.svc.metrics
-        inflight = getattr(self.svc.app_state, "inflight", None)
+        inflight = self.svc.inflight
         started = time.perf_counter()
         try:
             sessions: list[str] = []
@@ -486,7 +507,7 @@ class GenerationService:
             # implicit episodes: with Redis the index entries are set with the turns' own after the commit
             index = [(row.chain_hash, row.session_id) for row in rows] if plan.implicit else []
             published = self.svc.implicit.redis_entries(index)
-            release = inflight.releases(turn.markers) if inflight is not None else []
+            release = inflight.releases(turn.markers)
             await store.record_interactions(rows, create=created, publish=published, release=release)
             plan.handed += len(created)
             if release:
@@ -693,6 +714,20 @@ _LONGEST: dict[int, int] = {}
 # for a short conversation the hop to the thread and back costs more than the rendering.
 INLINE_RENDER_CHARS = 8_000
 _tokenize_jobs = 0  # jobs handed to the tokenize thread and not finished there yet
+# A conversation of more characters than this is validated and hashed on a worker thread and counted in
+# tokens before its prompt is built (``GenerationService._refuse_too_many_tokens``): each of those holds
+# the interpreter lock in C for ~2-4 ms per MB, so past ~1 MB the event loop would stall for it.
+OFF_LOOP_CHARS = 1_000_000
+TOKEN_COUNT_MARGIN = 1024
+
+
+def _count_tokens(template: Any, tokenizer: Any, messages: Any, tools: Any) -> int | None:
+    """Tokens of the conversation's rendering (with the generation prompt), counted by a fast tokenizer's
+    Rust side without building Python lists; None for a tokenizer without one. On the tokenize thread."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    return len(backend.encode_batch([template.render_text(messages, tools)], add_special_tokens=False)[0])
 
 
 async def _off_loop(fn: Callable[..., T], *args: Any, chars: int | None = None) -> T:

@@ -6,47 +6,28 @@ the ``X-Agentrl-Lease-Id`` header and in the batch's ``meta["lease_id"]``), or 2
 ready. ``POST /v1/trajectories/ack`` ``{"lease_id"}`` acknowledges a lease (404 unknown, 409 expired or
 already acknowledged). ``GET /v1/trajectories/stats``: counters, queue depth, trainer state.
 
-This module's router carries a lifespan that FastAPI runs inside the app's own: it builds the
-:class:`gateway.lifecycle.TrajectoryService` over the app's store, installs the staleness admission hook
-(unless the app was given another one) and runs the lifecycle loop until shutdown.
+The :class:`gateway.lifecycle.TrajectoryService` these routes call is built, started and stopped by the
+app's lifespan with the rest of the lifecycle (``Services.trajectories``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from agentrl.trajectory import LEASE_HEADER, MEDIA_TYPE
-from gateway.admission import AlwaysAdmit
 from gateway.binding import require_admin
+from gateway.context import services
 from gateway.errors import InvalidRequest
-from gateway.lifecycle import ExportSettings, StalenessAdmission, TrajectoryService
+from gateway.lifecycle import TrajectoryService
 from gateway.routes.common import caller, read_json
 from gateway.wire import WireModel
 
 
-@asynccontextmanager
-async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    svc = app.state.services
-    settings = getattr(app.state, "export_settings", None) or ExportSettings.from_settings(svc.settings)
-    service = TrajectoryService(svc.store, settings)
-    app.state.trajectories = service
-    app.state.inflight = service.inflight
-    if isinstance(getattr(app.state, "admission", None), AlwaysAdmit):
-        app.state.admission = StalenessAdmission(service)
-    service.start()
-    try:
-        yield
-    finally:
-        await service.stop()
-
-
-router = APIRouter(lifespan=lifespan)
+router = APIRouter()
 
 
 class AckRequest(WireModel):
@@ -54,7 +35,7 @@ class AckRequest(WireModel):
 
 
 def _service(request: Request) -> TrajectoryService:
-    return request.app.state.trajectories  # type: ignore[no-any-return]
+    return services(request).trajectories
 
 
 def _number(request: Request, name: str, kind: type, default: Any) -> Any:

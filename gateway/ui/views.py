@@ -330,15 +330,14 @@ def chart(entries: Sequence[dict[str, Any]], name: str, *, width: int = 520, hei
 async def trainer_detail(app_state: Any, entries: list[dict[str, Any]]) -> dict[str, Any]:
     """Staleness budget, queue depth, leases and acks, versions, and the trainer's step reports."""
     svc = app_state.services
-    service = getattr(app_state, "trajectories", None)
-    described = await service.describe() if service is not None else None
+    described = await svc.trajectories.describe()
     router = svc.router
     return {
         "admission": await admission_status(svc.admission),
-        "trainer": described["trainer"] if described else None,
-        "queue": described["queue"] if described else None,
-        "stats": described["stats"] if described else None,
-        "export": described["settings"] if described else None,
+        "trainer": described["trainer"],
+        "queue": described["queue"],
+        "stats": described["stats"],
+        "export": described["settings"],
         "weight_version": router.weight_version,
         "paused": router.paused,
         "engines": [e.as_json() for e in router.engines],

@@ -39,7 +39,7 @@ async def trainer(gw: Gw, version: int, batch_size: int = 1, bound: int = 0) -> 
 
 
 async def admitted(gw: Gw) -> int:
-    state = await gw.app.state.trajectories.staleness.state()
+    state = await gw.app.state.services.trajectories.staleness.state()
     return int(state.admitted)
 
 
@@ -245,7 +245,7 @@ async def test_places_of_a_group_whose_sessions_were_all_abandoned_come_back(mak
         for s in made:
             assert (await gw.post(f"/v1/sessions/{s['session_id']}/abandon", key=ADMIN)).status_code == 200
         assert await admitted(gw) == 2
-        service = gw.app.state.trajectories
+        service = gw.app.state.services.trajectories
         await service.tick(now=time.time() + service.settings.group_timeout_s + 1)
         assert await admitted(gw) == 0
         assert (await admin_get(gw, "/v1/groups/deserted"))["status"] == "abandoned"
@@ -313,7 +313,7 @@ async def test_a_registration_counts_a_group_exported_between_its_reads_once(mak
         group = await _retrying(gw, "/v1/groups", {"size": 4})
         for s, reward in zip(group["sessions"], [0.0, 1.0, 0.0, 1.0]):
             await _episode(gw, s, reward)
-        service = gw.app.state.trajectories
+        service = gw.app.state.services.trajectories
         real_counts = service.queue.counts
 
         async def counts_after_an_export() -> Any:

@@ -485,19 +485,19 @@ async def test_an_implicit_follow_up_finds_its_episode_in_one_redis_round_trip(m
         follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
         sent = record_redis_and_engine(gw)
         second = await gw.sdk().chat.completions.create(model="m", messages=follow, max_tokens=5)
-        await gw.app.state.inflight.settle()
+        await gw.app.state.services.inflight.settle()
         assert sent == ["EVALSHA", "engine", "HSET+EXPIRE+SET+SET+ZREM"]  # the marker goes with the publish
         t1, t2 = [await gw.store.get_interaction(interaction_id=r.id) for r in (first, second)]
         assert t2.parent_id == t1.id and t2.session_id == t1.session_id
-        assert not await gw.app.state.inflight.busy([t1.session_id])
+        assert not await gw.app.state.services.inflight.busy([t1.session_id])
 
         sent.clear()
         third = await gw.sdk(key=OTHER).chat.completions.create(model="m", messages=follow, max_tokens=5)
-        await gw.app.state.inflight.settle()
+        await gw.app.state.services.inflight.settle()
         t3 = await gw.store.get_interaction(interaction_id=third.id)
         assert t3.parent_id is None and t3.session_id != t1.session_id and t3.root_reason == "no_prefix_match"
         assert sent[0] == "EVALSHA" and "ZREM" in sent  # the marker set by the lookup, taken back
-        assert not await gw.app.state.inflight.busy([t1.session_id])
+        assert not await gw.app.state.services.inflight.busy([t1.session_id])
         assert [k for k in await gw.store.redis.keys(f"{redis_prefix}inflight:*")
                 if await gw.store.redis.zcard(k)] == []
 
@@ -559,10 +559,10 @@ async def test_a_follow_up_the_store_refuses_still_takes_its_marker_back(make_gw
             await gw.sdk().with_options(max_retries=0).chat.completions.create(model="m", messages=follow,
                                                                                max_tokens=5)
         assert refused.value.status_code == 503
-        await gw.app.state.inflight.settle()
+        await gw.app.state.services.inflight.settle()
         assert sent == ["EVALSHA", "engine", "ZREM"]  # no publish: the marker's own removal after the turn
         assert await gw.store.redis.zcard(f"{redis_prefix}inflight:{t1.session_id}") == 0
-        assert not await gw.app.state.inflight.busy([t1.session_id])
+        assert not await gw.app.state.services.inflight.busy([t1.session_id])
 
 
 async def test_a_named_sessions_turn_reads_its_session_marks_and_finds_its_parent_in_one_redis_round_trip(
@@ -577,22 +577,22 @@ async def test_a_named_sessions_turn_reads_its_session_marks_and_finds_its_paren
         msgs = [{"role": "user", "content": "hi"}]
         sent = record_redis_and_engine(gw)
         first = await client.chat.completions.create(model="m", messages=msgs, max_tokens=5)
-        await gw.app.state.inflight.settle()
+        await gw.app.state.services.inflight.settle()
         assert sent[:2] == ["HGET+ZADD+EXPIRE", "engine"]  # a first turn: no parent to look up
         assert len(sent) == 3 and sent[-1].endswith("+ZREM")  # the publish takes the marker with it
         follow = msgs + [assistant(first.choices[0].message), {"role": "user", "content": "go"}]
         sent.clear()
         second = await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
-        await gw.app.state.inflight.settle()
+        await gw.app.state.services.inflight.settle()
         assert sent[:2] == ["HGET+ZADD+EXPIRE+HGET", "engine"] and len(sent) == 3 and sent[-1].endswith("+ZREM")
         t1, t2 = [await gw.store.get_interaction(interaction_id=r.id) for r in (first, second)]
         assert t2.parent_id == t1.id and t2.session_id == sess["session_id"]
-        assert not await gw.app.state.inflight.busy([sess["session_id"]])
+        assert not await gw.app.state.services.inflight.busy([sess["session_id"]])
 
         gw.store._key_sessions.clear()  # as in another replica, or after a restart: the key is looked up first
         sent.clear()
         third = await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
-        await gw.app.state.inflight.settle()
+        await gw.app.state.services.inflight.settle()
         assert sent[:2] == ["HGET", "ZADD+EXPIRE+HGET"] and "engine" in sent  # the record from the key's lookup
         assert (await gw.store.get_interaction(interaction_id=third.id)).parent_id == t1.id
 
@@ -600,7 +600,7 @@ async def test_a_named_sessions_turn_reads_its_session_marks_and_finds_its_paren
         for _ in range(2):  # read with the marker (the key is known again), and after the record left Redis
             with pytest.raises(openai.ConflictError):
                 await client.chat.completions.create(model="m", messages=follow, max_tokens=5)
-            await gw.app.state.inflight.settle()
+            await gw.app.state.services.inflight.settle()
             assert await gw.store.redis.zcard(f"{redis_prefix}inflight:{sess['session_id']}") == 0
             await gw.store.redis.delete(f"{redis_prefix}sid:{sess['session_id']}",
                                         *await gw.store.redis.keys(f"{redis_prefix}skey:*"))
@@ -623,7 +623,7 @@ async def test_a_known_session_key_whose_record_left_redis_is_read_from_sql(make
         t2 = await gw.store.get_interaction(interaction_id=second.id)
         assert t2.parent_id == first.id and t2.session_id == sess["session_id"]
         assert await gw.store.redis.hget(f"{redis_prefix}sid:{sess['session_id']}", "d") is not None
-        await gw.app.state.inflight.settle()
+        await gw.app.state.services.inflight.settle()
         assert await gw.store.redis.zcard(f"{redis_prefix}inflight:{sess['session_id']}") == 0
 
         with pytest.raises(openai.AuthenticationError):
@@ -890,7 +890,7 @@ async def test_shutdown_right_after_a_trainer_update_completes(make_gw: Any) -> 
                                                max_tokens=5)
         ok = await gw.post("/admin/trainer", {"version": 0, "batch_size": 4, "staleness_bound": 1}, key=ADMIN)
         assert ok.status_code == 200
-        loop_task = gw.app.state.trajectories._task
+        loop_task = gw.app.state.services.trajectories._task
     except BaseException:
         await gw_cm.__aexit__(None, None, None)
         raise
@@ -921,13 +921,13 @@ async def test_turn_in_flight_keeps_its_session_from_idle_finish(make_gw: Any) -
         # Rewarded once its turn is in flight (before, the 0.05 s idle timeout may finish it first).
         await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
         await asyncio.sleep(0.3)  # several loop ticks with the session idle past the timeout
-        await gw.app.state.trajectories.tick(now=time.time() + 3600)
+        await gw.app.state.services.trajectories.tick(now=time.time() + 3600)
         assert await _status(gw, sess["session_id"]) == "active"
         gw.engine.gate.set()
         reply = await turn
         assert reply.choices[0].message.content == "slow answer"
         assert [i.id for i in await interactions(gw, sess["session_id"])] == [reply.id]
-        await gw.app.state.trajectories.tick(now=time.time() + 3600)
+        await gw.app.state.services.trajectories.tick(now=time.time() + 3600)
         assert await _status(gw, sess["session_id"]) != "active"  # finished (and maybe already exported)
 
 
@@ -944,14 +944,14 @@ async def test_streamed_turn_held_by_a_pause_keeps_its_session_in_flight(make_gw
         turn = asyncio.ensure_future(consume())
         try:
             async with asyncio.timeout(10):
-                while not await gw.app.state.inflight.busy([sess["session_id"]]):
+                while not await gw.app.state.services.inflight.busy([sess["session_id"]]):
                     assert not turn.done(), turn.result()
                     await asyncio.sleep(0.01)
             # Rewarded only now: before its turn was in flight, the 0.05 s idle timeout could finish it
             # first (a race that decided the test by how long the lifecycle's first tick took).
             await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
             await asyncio.sleep(0.3)
-            await gw.app.state.trajectories.tick(now=time.time() + 3600)
+            await gw.app.state.services.trajectories.tick(now=time.time() + 3600)
             assert await _status(gw, sess["session_id"]) == "active"
         finally:
             async with httpx.AsyncClient(transport=gw.engine, base_url="http://engine") as engine:
@@ -960,8 +960,8 @@ async def test_streamed_turn_held_by_a_pause_keeps_its_session_in_flight(make_gw
         assert await turn == "held answer"
         recorded = await interactions(gw, sess["session_id"])
         assert len(recorded) == 1 and set(recorded[0].output_versions) == {1}
-        assert not await gw.app.state.inflight.busy([sess["session_id"]])
-        await gw.app.state.trajectories.tick(now=time.time() + 3600)
+        assert not await gw.app.state.services.inflight.busy([sess["session_id"]])
+        await gw.app.state.services.trajectories.tick(now=time.time() + 3600)
         assert await _status(gw, sess["session_id"]) != "active"
 
 

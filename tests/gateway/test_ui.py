@@ -139,7 +139,7 @@ async def test_session_tree_rows_and_tokens_match_the_store_and_export(make_gw: 
         assert data["dropped"] == [ids["retry"]] and by_id[ids["retry"]]["dropped"] is True
         assert not by_id[ids["retry"]]["exported"] and by_id[ids["r2"]]["exported"]
         turns = await gw.store.session_interactions(session_id=sid)
-        assert gw.app.state.trajectories.settings.gamma == 1.0 and data["export"]["gamma"] == 1.0
+        assert gw.app.state.services.trajectories.settings.gamma == 1.0 and data["export"]["gamma"] == 1.0
         rows = export_session([turn_from_interaction(t) for t in turns], gamma=1.0, session_id=sid, group_id="g1")
         assert [r["leaf_id"] for r in data["rows"]] == [r.leaf_id for r in rows] == [ids["r3"], ids["r4"]]
         assert [r["reward"] for r in data["rows"]] == [0.5, 0.0]

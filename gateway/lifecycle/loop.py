@@ -1,4 +1,4 @@
-"""Session lifecycle and group readiness: from recorded sessions to queued GRPO groups.
+"""The export loop: from recorded sessions to queued GRPO groups, and what the trajectory routes call.
 
 A background loop (one per gateway; with Redis, one leader among replicas and worker processes: the
 process holding the lock ``<prefix>lifecycle:leader``, taken or renewed atomically at every tick, lapsing
@@ -37,8 +37,9 @@ or an active one idle past the idle or group timeout, and then the whole group),
 or the busy groups: its cost follows what is ready, not how much was recorded (``bench/soak.py`` times it
 at 1k and 100k finished sessions).
 
-:class:`TrajectoryService` is what the routes call: lease a batch, ack, stats; :class:`InFlight` tracks
-turns in flight per session.
+:class:`TrajectoryService` runs the loop and is what the routes call: lease a batch, ack, stats. It reads
+the in-flight registry (:mod:`gateway.lifecycle.inflight`) and gives places back to the staleness budget
+that the admission hook charges (:mod:`gateway.lifecycle.admission`).
 """
 
 from __future__ import annotations
@@ -48,24 +49,18 @@ import logging
 import os
 import socket
 import time
-import typing
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Awaitable, Iterable
+from dataclasses import asdict
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from agentrl import defaults
-from agentrl.settings import SettingsError
 from agentrl.trajectory import (
-    EXPORT_MODES,
     FORMAT_VERSION,
-    REWARD_MODES,
     Row,
     UntrainableSampling,
     encode_batch,
@@ -75,14 +70,15 @@ from agentrl.trajectory import (
     turn_from_interaction,
 )
 from gateway import errors
+from gateway.lifecycle.inflight import InFlight
+from gateway.lifecycle.settings import ExportSettings, ExportStats
 from gateway.queue import QueuedGroup, RedisQueue, SqlQueue, TrajectoryQueue, lease_meta
 from gateway.staleness import StalenessControl
-from gateway.store import GroupRecord, Marker, SessionRecord, Store
+from gateway.store import GroupRecord, SessionRecord, Store
 from gateway.store import errors as store_errors
 from gateway.store.dberrors import translate
 
 log = logging.getLogger("agentrl.gateway.lifecycle")
-ENV_PREFIX = "AGENTRL_GATEWAY_"
 
 # The lifecycle leader lock (KEYS[1]; ARGV: holder id, ttl ms): renew it if held by ARGV[1], else take it
 # if free. Returns 1 when ARGV[1] holds it afterwards.
@@ -98,245 +94,6 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
-
-
-@dataclass
-class ExportSettings:
-    """Settings of export, leasing and staleness (read from the gateway's settings by field name)."""
-
-    group_size: int = field(default=defaults.GROUP_SIZE, metadata={"help": "sessions per GRPO group (metadata.group_size overrides)"})
-    export_mode: str = field(default="concat", metadata={"help": "concat (row per leaf) or individual (row per turn)"})
-    gamma: float = field(default=defaults.GAMMA, metadata={"help": "discount along each root-to-leaf path"})
-    reward_mode: str = field(default="discounted", metadata={"help": "row reward: discounted (return of turn 0) or last"})
-    idle_timeout_s: float = field(default=300.0, metadata={"help": "finish an idle session with a reward after this"})
-    group_timeout_s: float = field(default=900.0, metadata={"help": "send an incomplete group after this"})
-    lease_timeout_s: float = field(default=300.0, metadata={"help": "an unacknowledged lease returns to the queue after this"})
-    stale_max_age_s: float = field(default=600.0, metadata={"help": "drop held-back stale groups after this"})
-    max_lease_groups: int = field(default=1024, metadata={"help": "largest max_groups of one lease"})
-    max_wait_s: float = field(default=300.0, metadata={"help": "largest wait_s of one lease"})
-    retry_after_s: float = field(default=2.0, metadata={"help": "Retry-After of a 429 at the staleness limit"})
-    tick_s: float = field(default=0.5, metadata={"help": "how often the lifecycle loop runs"})
-
-    def validate(self) -> None:
-        if self.export_mode not in EXPORT_MODES:
-            raise ValueError(f"export_mode {self.export_mode!r}: use one of {', '.join(EXPORT_MODES)}")
-        if self.reward_mode not in REWARD_MODES:
-            raise ValueError(f"reward_mode {self.reward_mode!r}: use one of {', '.join(REWARD_MODES)}")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"gamma {self.gamma} must be within [0, 1]")
-        if self.group_size < 1 or self.max_lease_groups < 1:
-            raise ValueError("group_size and max_lease_groups must be >= 1")
-        for name in ("idle_timeout_s", "group_timeout_s", "lease_timeout_s", "stale_max_age_s", "tick_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-
-    @classmethod
-    def from_settings(cls, settings: Any, environ: Mapping[str, str] | None = None) -> ExportSettings:
-        """Each field from the gateway's settings object if it has one of that name, else from the
-        environment variable ``AGENTRL_GATEWAY_<FIELD>`` (e.g. ``AGENTRL_GATEWAY_GROUP_SIZE=8``), else
-        the default. Raises SettingsError with the variable's name for a malformed value."""
-        env = os.environ if environ is None else environ
-        hints = typing.get_type_hints(cls)
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            var = ENV_PREFIX + f.name.upper()
-            if hasattr(settings, f.name):
-                values[f.name] = getattr(settings, f.name)
-            elif var in env:
-                kind = hints[f.name]
-                try:
-                    values[f.name] = kind(env[var])
-                except ValueError:
-                    raise SettingsError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
-        out = cls(**values)
-        try:
-            out.validate()
-        except ValueError as exc:
-            raise SettingsError(f"export settings: {exc} (flag --<field>, or {ENV_PREFIX}<FIELD>)") from exc
-        return out
-
-
-@dataclass
-class ExportStats:
-    """Counters since start-up (this process)."""
-
-    idle_finished: int = 0
-    groups_exported: int = 0
-    groups_swept: int = 0  # staged by an exporter that died before publishing; published by the sweep
-    groups_partial: int = 0
-    rows_exported: int = 0
-    sessions_exported: int = 0
-    sessions_abandoned: int = 0
-    sessions_empty: int = 0
-    sessions_failed: int = 0
-    sessions_untrainable: int = 0  # sampled with top_p < 1 / top_k: refused (agentrl.trajectory.UntrainableSampling)
-    stale_groups_dropped: int = 0
-    stale_rows_dropped: int = 0
-    stale_groups_requeued: int = 0
-    leases: int = 0
-    groups_leased: int = 0
-    groups_redelivered: int = 0
-    acks: int = 0
-    groups_acked: int = 0
-    ticks: int = 0
-    tick_errors: int = 0  # ticks that failed, for any reason
-    tick_outages: int = 0  # of those, ticks that failed because Redis or the database was unavailable
-    last_tick_ms: float = 0.0  # wall time of the last complete tick (bench/soak.py reports it)
-
-
-class InFlight:
-    """Turns in flight per session, so that lifecycle decisions never cut a turn off.
-
-    The generation path wraps each engine call in ``async with inflight.track(session_id)``. With Redis,
-    entries are shared between replicas: a sorted set per session whose members are scored by expiry. The
-    expiry is short (``ttl_s``, 30 s) and this replica pushes it forward every ``ttl_s / 3`` while the turn
-    runs (:meth:`refresh`, run by the lifecycle loop's companion task), so the markers of a replica that
-    was killed (kill -9, OOM) lapse within ``ttl_s`` and its sessions are idle-finished and exported as
-    usual. Without Redis they live in this process (and die with it).
-
-    An implicit-mode turn has its marker added by the script that finds its episode
-    (``Store.find_continued`` with :meth:`marker`) and takes it over with :meth:`adopt`.
-
-    A turn that is recorded has its marker removed in the same Redis round trip as the publish that
-    follows its commit (:meth:`releases`, then :meth:`released`): from the commit on, the session's last
-    activity keeps it from being idle-finished, so the marker has done its job, and the turn sends Redis
-    no command of its own for it. A turn that ends without a commit (an error, a client gone) has its
-    marker removed after it, off its path. This replica's :meth:`busy` first waits for the removals
-    started before it asks, so it never counts a turn that has ended here; another replica may see one in
-    flight a moment longer (:meth:`settle` waits for the removals started so far).
-
-    Redis down: starting a turn fails with ``StoreUnavailable`` (503, nothing recorded yet); ending one
-    never fails (the turn is already recorded; its marker lapses by itself)."""
-
-    def __init__(self, redis: Any | None = None, *, prefix: str = "agentrl:", ttl_s: float = 30.0) -> None:
-        self.redis = redis
-        self.prefix = prefix
-        self.ttl_s = ttl_s
-        self._local: dict[str, int] = defaultdict(int)
-        self._members: dict[str, str] = {}  # Redis member -> session id, for the turns of this replica
-        self._removals: set[asyncio.Task[None]] = set()
-        self._refresher: asyncio.Task[None] | None = None
-
-    def _key(self, session_id: str) -> str:
-        return f"{self.prefix}inflight:{session_id}"
-
-    def _key_ttl(self) -> int:
-        return int(self.ttl_s * 4) + 1
-
-    def marker(self) -> Marker | None:
-        """A new marker for ``Store.find_continued`` to add (None without Redis)."""
-        if self.redis is None:
-            return None
-        return Marker(self._key(""), uuid.uuid4().hex, time.time() + self.ttl_s, self._key_ttl())
-
-    @asynccontextmanager
-    async def track(self, session_id: str) -> AsyncIterator[str | None]:
-        """Add a marker for a turn of ``session_id`` and hold it until the block ends; yields the marker's
-        Redis member (None without Redis)."""
-        marker = self.marker()
-        if marker is not None:
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zadd(marker.key_prefix + session_id, {marker.member: marker.expiry})
-                    pipe.expire(marker.key_prefix + session_id, marker.key_ttl_s)
-                    await pipe.execute()
-            except RedisError as exc:
-                raise errors.StoreUnavailable(f"Redis failed (in-flight marker): {exc}") from exc
-        async with self.adopt(session_id, marker.member if marker is not None else None) as member:
-            yield member
-
-    @asynccontextmanager
-    async def adopt(self, session_id: str, member: str | None) -> AsyncIterator[str | None]:
-        """Track a turn whose Redis marker ``member`` is already set (None: without Redis); yields it."""
-        if member is not None:
-            self._members[member] = session_id
-            self._start_refresher()
-        self._local[session_id] += 1
-        try:
-            yield member
-        finally:
-            self._local[session_id] -= 1
-            if not self._local[session_id]:
-                del self._local[session_id]
-            if member is not None and self._members.pop(member, None) is not None:
-                self.discard(session_id, member)
-
-    def releases(self, members: Sequence[str]) -> list[tuple[str, str]]:
-        """The Redis ``(key, member)`` of the markers among ``members`` that this replica still holds, for
-        the after-commit publish to remove (``Store.record_interactions(release=...)``)."""
-        if self.redis is None:
-            return []
-        return [(self._key(self._members[m]), m) for m in members if m in self._members]
-
-    def released(self, members: Sequence[str]) -> None:
-        """The commit that carried these markers' removal went through: the turn no longer holds them (so
-        it does not remove them again when it ends). Should Redis have failed that publish, they lapse
-        within ``ttl_s`` as the markers of a dead replica do."""
-        for m in members:
-            self._members.pop(m, None)
-
-    def discard(self, session_id: str, member: str) -> None:
-        """Remove a marker in the background (a turn ended, or a marker set for a turn that went elsewhere)."""
-        if self.redis is None:
-            return
-        task = asyncio.ensure_future(self._remove(session_id, member))
-        self._removals.add(task)
-        task.add_done_callback(self._removals.discard)
-
-    async def _remove(self, session_id: str, member: str) -> None:
-        try:
-            await self.redis.zrem(self._key(session_id), member)
-        except RedisError as exc:
-            log.warning("in-flight marker of session %s not removed (lapses in %.0fs): %s",
-                        session_id, self.ttl_s, exc)
-
-    async def settle(self) -> None:
-        """Wait until the marker removals started so far have been answered."""
-        if self._removals:
-            await asyncio.gather(*list(self._removals), return_exceptions=True)
-
-    def _start_refresher(self) -> None:
-        if self._refresher is None or self._refresher.done():
-            self._refresher = asyncio.create_task(self._refresh_loop(), name="agentrl-inflight-refresh")
-
-    async def _refresh_loop(self) -> None:
-        while self._members:
-            await asyncio.sleep(self.ttl_s / 3)
-            try:
-                await self.refresh()
-            except RedisError as exc:
-                log.warning("in-flight markers not refreshed: %s", exc)
-
-    async def refresh(self) -> None:
-        """Push the expiry of this replica's live markers forward (they lapse ``ttl_s`` after its death)."""
-        if self.redis is None or not self._members:
-            return
-        expiry = time.time() + self.ttl_s
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for member, session_id in list(self._members.items()):
-                pipe.zadd(self._key(session_id), {member: expiry}, xx=True)
-                pipe.expire(self._key(session_id), self._key_ttl())
-            await pipe.execute()
-
-    async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            await asyncio.gather(self._refresher, return_exceptions=True)
-            self._refresher = None
-        await self.settle()
-
-    async def busy(self, session_ids: Sequence[str]) -> set[str]:
-        """The sessions among ``session_ids`` that have a turn in flight (on a live replica)."""
-        await self.settle()
-        out = {s for s in session_ids if self._local.get(s)}
-        if self.redis is not None and session_ids:
-            now = time.time()
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for s in session_ids:
-                    pipe.zcount(self._key(s), now, "+inf")
-                counts = await pipe.execute()
-            out |= {s for s, n in zip(session_ids, counts) if n}
-        return out
 
 
 def outage_of(exc: BaseException) -> str | None:
@@ -355,60 +112,6 @@ def outage_of(exc: BaseException) -> str | None:
     if isinstance(translate(exc), store_errors.StoreUnavailable):
         return "the database"
     return None
-
-
-def _is_eval(metadata: dict[str, Any] | None) -> bool:
-    return bool(metadata and metadata.get("eval") is True)
-
-
-class StalenessAdmission:
-    """The gateway's admission hook (``gateway.admission.Admission``) backed by :class:`StalenessControl`."""
-
-    def __init__(self, service: TrajectoryService) -> None:
-        self.service = service
-        self._pending: list[asyncio.Future[Any]] = []
-
-    async def _settle(self) -> None:
-        """Let trainer updates posted just before this check land first (their errors went to the
-        admin route that posted them, not to this caller)."""
-        while self._pending:
-            task = self._pending.pop(0)
-            try:
-                await task
-            except Exception:
-                pass
-
-    async def reserve(self, n: int, *, metadata: dict[str, Any] | None = None) -> int:
-        await self._settle()
-        return await self.service.staleness.admit(n=n, is_eval=_is_eval(metadata))
-
-    async def settle(self) -> None:
-        await self._settle()
-
-    async def reserve_in(self, conn: Any, n: int, *, metadata: dict[str, Any] | None = None) -> int:
-        return await self.service.staleness.admit_in(conn, n=n, is_eval=_is_eval(metadata))
-
-    async def release(self, n: int) -> None:
-        await self.service.staleness.release(n)
-
-    def update_trainer(self, status: dict[str, Any]) -> asyncio.Future[Any]:
-        """Register the trainer / move its version. Returns an awaitable; callers that do not await it
-        still have it applied before the next admission check."""
-        task = asyncio.ensure_future(self._configure(status))
-        self._pending = [t for t in self._pending if not t.done()] + [task]
-        return task
-
-    async def _configure(self, status: dict[str, Any]) -> None:
-        await self.service.configure_trainer(
-            version=int(status["version"]), batch_size=int(status["batch_size"]),
-            staleness_bound=int(status["staleness_bound"]), group_size=status.get("group_size"))
-
-    async def status(self) -> dict[str, Any]:
-        """The trainer as stored in SQL (shared by every worker and replica), not as last posted here."""
-        await self._settle()
-        state = await self.service.staleness.state()
-        return {"policy": "staleness", "trainer": state.as_dict() if state is not None else None}
-
 
 def target_group_size(first: SessionRecord, default: int) -> int:
     """Sessions per GRPO group, decided by a group's first session: its ``metadata.group_size`` if set,
