@@ -15,24 +15,16 @@ import httpx
 import openai
 import pytest
 
+from tests.engine_hooks import held_decoding, wait_for, wait_held
 from tests.gateway.conftest import GatewayProc
 
 MAX_TOKENS = 1800  # forced (min_tokens): a full generation takes many seconds on the tiny model
+HOLD_AT = 8  # the engine (--test-hooks) holds the story here until the abort is seen: it runs when the client goes
 
 
 def _engine_state(engine: str) -> dict[str, Any]:
     state: dict[str, Any] = httpx.get(engine + "/get_server_info", timeout=30).json()["internal_states"][0]
     return state
-
-
-def _wait_started(engine: str, generated_before: int) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        state = _engine_state(engine)
-        if state["num_running_reqs"] and state["generated_tokens"] > generated_before:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the engine never started the request")
 
 
 def _wait_idle(engine: str) -> dict[str, Any]:
@@ -62,23 +54,29 @@ def test_a_client_that_disconnects_aborts_the_engine_request_and_records_nothing
     before = _engine_state(engine)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me everything"}],
             "max_tokens": MAX_TOKENS, "min_tokens": MAX_TOKENS}
-    if stream:
-        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=session["api_key"], max_retries=0,
-                               timeout=120)
-        chunks = client.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=MAX_TOKENS,
-                                                stream=True, extra_body={"min_tokens": MAX_TOKENS})
-        for i, _ in enumerate(chunks):
-            if i == 3:
-                break
-        chunks.close()  # the agent goes away mid-stream
-    else:  # the agent gives up once the engine works on its request: it closes the connection
-        payload = json.dumps(body).encode()
-        host, port = gw.base_url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer "
-                         f"{session['api_key']}\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-            _wait_started(engine, before["generated_tokens"])
+    # The story is held at HOLD_AT tokens while the client leaves and until the engine has aborted it: it is
+    # provably running when the client goes, however fast the machine (released if the abort never comes,
+    # and then it would run to MAX_TOKENS: the assertions below fail).
+    with held_decoding(engine, HOLD_AT):
+        if stream:
+            client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=session["api_key"], max_retries=0,
+                                   timeout=120)
+            chunks = client.chat.completions.create(model="tiny", messages=body["messages"],
+                                                    max_tokens=MAX_TOKENS, stream=True,
+                                                    extra_body={"min_tokens": MAX_TOKENS})
+            next(iter(chunks))
+            wait_held(engine)
+            chunks.close()  # the agent goes away mid-stream
+        else:  # the agent gives up once the engine works on its request: it closes the connection
+            payload = json.dumps(body).encode()
+            host, port = gw.base_url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=60) as sock:
+                sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer "
+                             f"{session['api_key']}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+                wait_held(engine)
+        wait_for(lambda: _engine_state(engine)["aborted_requests"] > before["aborted_requests"],
+                 "the engine request aborted after its client left")
     after = _wait_idle(engine)
     generated = after["generated_tokens"] - before["generated_tokens"]
     assert after["aborted_requests"] == before["aborted_requests"] + 1, (before, after)
