@@ -199,7 +199,11 @@ fi
 
 # summary: what the gateway and the engine say now (before everything stops)
 gateway_version=$(http_get "$GATEWAY_URL/admin/weight_version" "$ADMIN_KEY")
-engine_version=$(http_get "$ENGINE_URL/get_weight_version")
+# the engine's weight version where it reports it: /model_info (SGLang 0.5.19 and 0.5.23), /get_model_info on the
+# embedded engine (only the get_ names); SGLang has no /get_weight_version (404 in 0.5.19, gone in 0.5.23)
+engine_info=$(http_get "$ENGINE_URL/model_info" || http_get "$ENGINE_URL/get_model_info")
+engine_version=$(printf '%s' "$engine_info" | "$PYTHON" -c \
+    'import json, sys; print(json.dumps({"weight_version": json.load(sys.stdin).get("weight_version")}))')
 cat >"$RUN_DIR/summary.json" <<EOF
 {"gateway": $gateway_version, "engine": $engine_version, "agent": $(cat "$RUN_DIR/agent_summary.json")}
 EOF

@@ -654,3 +654,32 @@ async def test_a_push_after_an_operators_in_place_or_retract_pause_keeps_sglang_
     assert gen.output_ids == [5, 6, 7, EOT] and gen.finish == "stop"
     assert gen.versions == [0, 1, 1, 1] and gen.segments == 2  # held across the push, finished under v1
     await http.aclose()
+
+
+@pytest.mark.parametrize("release", ["0.5.19", "0.5.23", None])
+async def test_the_client_learns_the_servers_info_routes_and_probes_a_paused_engine_with_them(release) -> None:
+    """SGLang (both releases) has /server_info and /model_info and logs a deprecation warning on every call of
+    the get_ names, which the paused-engine probe used to call every 5 s; the embedded engine (None) has only
+    the get_ names."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        seen.append(path)
+        modern = release is not None
+        if path == ("/server_info" if modern else "/get_server_info"):
+            return httpx.Response(200, json={"version": release or "agentrl-embedded-0.1", "tp_size": 1,
+                                             "context_length": 4096})
+        if path == ("/model_info" if modern else "/get_model_info"):
+            return httpx.Response(200, json={"model_path": "/m", "tokenizer_path": "/m", "weight_version": "3"})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        client = EngineClient("http://e", http)
+        info = await client.describe()
+        assert info.weight_version == 3 and info.context_length == 4096 and info.model_path == "/m"
+        assert await client.health(paused=True) is True
+        assert await client.weight_version() == 3
+    route = "/model_info" if release else "/get_model_info"
+    assert seen.count(route) == 3
+    assert ("/get_model_info" in seen) is (release is None) and "/get_server_info" not in seen[:1]
