@@ -54,6 +54,9 @@ class AdapterPushResult:
     bytes: int  # the adapter as sent
     attempts: int
     paused_s: float = 0.0
+    # engines whose prefix cache survived the resume (DirectControl's refused flush, as for a full push); SGLang
+    # keys its radix cache by adapter id, and a reloaded adapter gets a new id, so none of it is reused for it
+    stale_cache_engines: int = 0
 
     @property
     def gb_per_s(self) -> float:
@@ -231,5 +234,6 @@ def push_adapter(model: torch.nn.Module, version: int, *, info: DistInfo, transp
             f"serving version {version - 1}; the current batch was not acknowledged.")
     if info.is_main:
         transport.committed(staged)
+    stale = len(getattr(control, "stale_cache", ())) if info.is_main else 0
     return AdapterPushResult(version, time.perf_counter() - start, lora.adapter_bytes(model, served_dtype(model)),
-                             attempts, paused_s)
+                             attempts, paused_s, stale)

@@ -235,3 +235,60 @@ def test_export_model_writes_the_adapter_or_the_merged_model(tiny_model_dir, dis
                            "--out", str(tmp_path / "again"), "--merge"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert full.returncode == 2 and "nothing to merge" in full.stderr
+
+
+class GatewayThenEngine(httpx.BaseTransport):
+    """The gateway faked at the HTTP boundary (tests/trainer/test_loop.py's FakeGateway, host ``gw``); every other
+    host is real HTTP (the engine process)."""
+
+    def __init__(self, gateway) -> None:
+        self.fake, self.real = httpx.MockTransport(gateway.handler), httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return (self.fake if request.url.host == "gw" else self.real).handle_request(request)
+
+
+@pytest.mark.slow
+def test_train_with_lora_pushes_adapters_checkpoints_them_and_resumes(engine, tiny_model_dir, dist_info, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.settings import load as load_settings
+    from tests.trainer.test_loop import FakeGateway
+    from trainer.loop import train
+
+    def settings(**extra):
+        return load_settings(TrainerSettings, env={}, gateway="http://gw", admin_key="k", model="tiny",
+                             engine_urls=[engine], sync_mode="disk", checkpoint_dir=str(tmp_path / "ckpt"),
+                             lr=5e-2, group_size=3, batch_groups=2, micro_batch_tokens=4096, lease_wait_s=0.01,
+                             max_idle_s=0.05, lora_rank=4, lora_alpha=8, **extra)
+
+    gw = FakeGateway([synthetic_rows(2, 3, seed=1), synthetic_rows(2, 3, seed=2)])
+    with httpx.Client(transport=GatewayThenEngine(gw), timeout=120) as http:
+        state = train(settings(steps=2, save_every=1), http=http)
+    assert (state.step, state.version) == (2, 2) and gw.acked == ["lease-1", "lease-2"]
+    pauses = [path for path, _ in gw.admin if path in ("/admin/pause", "/admin/resume")]
+    assert pauses == ["/admin/pause", "/admin/resume"] * 3  # the first adapter at start, then one per step
+    ckpt = checkpoint.latest(tmp_path / "ckpt")
+    assert lora.is_adapter_dir(ckpt) and not (ckpt / "model.safetensors").exists()
+
+    # the engine serves the checkpoint's adapter at the trainer's version (each push sets it, whatever it was)
+    assert engine_version(engine) == 2
+    out = generate_with(engine, "policy")
+    assert out["version"] == 2
+    trained_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                              str(ckpt)).eval()
+    gap = (trainer_logprobs(trained_model, PROMPT, out["output_ids"]) - torch.tensor(out["logprobs"])).abs().max()
+    assert gap < 1e-4
+
+    # resume: the adapter and the step count come back, the adapter is pushed again before training goes on
+    gw2 = FakeGateway([synthetic_rows(2, 3, seed=3)])
+    with httpx.Client(transport=GatewayThenEngine(gw2), timeout=120) as http:
+        state = train(settings(steps=1), http=http)
+    assert (state.step, state.version) == (3, 3) and engine_version(engine) == 3
+    metrics = [json.loads(line) for line in (tmp_path / "ckpt" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2, 3]
+    assert all(m["sync/seconds"] > 0 for m in metrics)
+    with pytest.raises(SettingsError, match="holds a LoRA adapter"):  # full fine-tuning cannot resume an adapter
+        train(load_settings(TrainerSettings, env={}, gateway="http://gw", admin_key="k", model="tiny",
+                            sync_mode="none", checkpoint_dir=str(tmp_path / "ckpt")), http=httpx.Client())
