@@ -109,6 +109,34 @@ def group_advantages(
     return adv, metrics
 
 
+def episode_weights(session_index: torch.Tensor) -> torch.Tensor:
+    """(N,) float32 weight of each row in the loss: 1 / the number of rows of its episode (session).
+
+    An episode is the unit GRPO samples and rewards; a coding agent's episode exports one row per thread or
+    compacted segment (and a tree one row per leaf), all with the episode's one advantage. Those rows are
+    parts of one sample, not more samples: weighted so, an episode's rows together count as one row does,
+    whatever the number of its threads, and an episode of one row (a linear conversation) weighs exactly
+    what it weighed before. The trainer multiplies each row's advantage by its weight (the PPO objective
+    is linear in the advantage: for ``w > 0``, ``max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r))``) and
+    normalises by the weighted counts (:func:`weighted_counts`): with ``seq-mean-*`` every episode counts
+    once; with ``token-mean`` the loss is the token mean with each token weighed by its row's weight.
+    """
+    if session_index.dim() != 1:
+        raise ValueError(f"session_index {tuple(session_index.shape)} must be (N,)")
+    if session_index.numel() == 0:
+        return torch.zeros(0)
+    _, row_session, counts = torch.unique(session_index, return_inverse=True, return_counts=True)
+    return (1.0 / counts.to(torch.float64))[row_session].to(torch.float32)
+
+
+def weighted_counts(weights: torch.Tensor, loss_tokens: torch.Tensor) -> tuple[float, float]:
+    """``(global_tokens, global_seqs)`` for :func:`aggregate_loss` of rows weighted by ``weights``: the
+    weighted sum of their loss tokens and the sum of the weights (the number of episodes when the rows of
+    each episode are all there)."""
+    w = weights.to(torch.float64)
+    return float((w * loss_tokens.to(torch.float64)).sum()), float(w.sum())
+
+
 # ---------------------------------------------------------------------------------------------- losses
 
 

@@ -95,8 +95,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: S
         check_row_fits(row.num_tokens, settings, row.row_id)
     with record_function("agentrl.plan"):
         adv, metrics = advantages_for(rows, settings)
+        # episodes, not rows, weigh in the loss (core_algos.episode_weights): a row's advantage is scaled by
+        # its weight and the loss normalised by the weighted counts; rows of one session share a group, so
+        # a mini-batch (split by group) holds all the rows of its episodes
+        weights = core_algos.episode_weights(index_of([r.session_id for r in rows]))
+        loss_tokens = torch.tensor([float(r.loss_mask[1:].sum()) for r in rows], dtype=torch.float64)
         minis = split_by_group(rows, settings.mini_batches)
-        plans = [plan_micro_batches(rows, idx, adv, settings, info) for idx in minis]
+        plans = [plan_micro_batches(rows, idx, adv * weights, settings, info) for idx in minis]
     model.train()
     # The first mini-batch trains on the weights the proximal policy is defined by, so its proximal
     # logprobs are the (detached) logprobs of its own training forward: one forward pass fewer per step.
@@ -108,7 +113,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: S
     maxes = {k: torch.zeros((), dtype=torch.float64, device=info.device) for k in _MAX_KEYS}
     grad_norms = []
     for k, (idx, micro) in enumerate(zip(minis, plans)):
-        global_tokens = float(sum(float(rows[i].loss_mask[1:].sum()) for i in idx))
+        global_tokens, global_seqs = core_algos.weighted_counts(weights[list(idx)], loss_tokens[list(idx)])
         optimizer.zero_grad(set_to_none=True)
         for m in micro:
             with record_function("agentrl.forward"):
@@ -118,7 +123,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rows: S
                 loss, stats = core_algos.ppo_loss(
                     logp, m.prox, m.behaviour, core_algos.token_advantages(m.advantages, m.loss_mask), m.loss_mask,
                     clip_low=settings.clip_low, clip_high=settings.clip_high, is_cap=settings.is_cap_or_none,
-                    agg_mode=settings.loss_agg_mode, global_tokens=global_tokens, global_seqs=float(len(idx)),
+                    agg_mode=settings.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs,
                 )
             with record_function("agentrl.backward"):
                 (loss * info.world_size).backward()
