@@ -108,8 +108,12 @@ def build_adapter(model: torch.nn.Module, name: str, path: str, config: dict[str
             raise WeightUpdateError(f"{module}: rank {r} in the tensors, {expected} in the adapter config")
         module_alpha = float(_pattern_value(config.get("alpha_pattern"), module, alpha))
         scale = module_alpha / (math.sqrt(r) if config.get("use_rslora") else r)
-        adapter.layers[module] = (a.to(device=param.device, dtype=param.dtype).contiguous(),
-                                  b.to(device=param.device, dtype=param.dtype).contiguous(), scale)
+        # copies, always: tensors from /load_lora_adapter_from_tensors may be CUDA IPC views of the trainer's
+        # memory, which it frees once the engine has answered
+        adapter.layers[module] = (a.to(device=param.device, dtype=param.dtype, copy=True).contiguous(),
+                                  b.to(device=param.device, dtype=param.dtype, copy=True).contiguous(), scale)
+    if any(t.is_cuda for t in tensors.values()):
+        torch.cuda.synchronize()  # the copies are done before the answer lets the sender reuse its memory
     return adapter
 
 
