@@ -895,7 +895,7 @@ async def test_shutdown_right_after_a_trainer_update_completes(make_gw: Any) -> 
         await gw_cm.__aexit__(None, None, None)
         raise
     exiting = asyncio.ensure_future(gw_cm.__aexit__(None, None, None))
-    done, _ = await asyncio.wait({exiting}, timeout=10)  # a hang check: asyncio.wait never cancels it
+    done, _ = await asyncio.wait({exiting}, timeout=120)  # a hang check: asyncio.wait never cancels it
     if not done:
         exiting.cancel()
         await asyncio.gather(exiting, return_exceptions=True)
@@ -905,6 +905,16 @@ async def test_shutdown_right_after_a_trainer_update_completes(make_gw: Any) -> 
 
 async def _status(gw: Gw, session_id: str) -> str:
     return (await gw.store.get_session(session_id=session_id)).status
+
+
+async def _loop_ticks(gw: Gw, n: int = 3) -> None:
+    """Wait until the running lifecycle loop has begun ``n`` more ticks (so ``n - 1`` whole ticks ran from
+    now on), counted by the service itself; the bound is only a hang guard."""
+    service = gw.app.state.services.trajectories
+    start = service.stats.ticks
+    async with asyncio.timeout(120):
+        while service.stats.ticks < start + n:
+            await asyncio.sleep(0.01)
 
 
 async def test_turn_in_flight_keeps_its_session_from_idle_finish(make_gw: Any) -> None:
@@ -920,7 +930,7 @@ async def test_turn_in_flight_keeps_its_session_from_idle_finish(make_gw: Any) -
             await asyncio.sleep(0.01)
         # Rewarded once its turn is in flight (before, the 0.05 s idle timeout may finish it first).
         await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
-        await asyncio.sleep(0.3)  # several loop ticks with the session idle past the timeout
+        await _loop_ticks(gw)  # several loop ticks with the session idle past the timeout
         await gw.app.state.services.trajectories.tick(now=time.time() + 3600)
         assert await _status(gw, sess["session_id"]) == "active"
         gw.engine.gate.set()
@@ -943,14 +953,14 @@ async def test_streamed_turn_held_by_a_pause_keeps_its_session_in_flight(make_gw
 
         turn = asyncio.ensure_future(consume())
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(120):  # a hang guard
                 while not await gw.app.state.services.inflight.busy([sess["session_id"]]):
                     assert not turn.done(), turn.result()
                     await asyncio.sleep(0.01)
             # Rewarded only now: before its turn was in flight, the 0.05 s idle timeout could finish it
             # first (a race that decided the test by how long the lifecycle's first tick took).
             await gw.store.set_reward(reward=1.0, source="test", session_id=sess["session_id"])
-            await asyncio.sleep(0.3)
+            await _loop_ticks(gw)  # several loop ticks with the session idle past the timeout
             await gw.app.state.services.trajectories.tick(now=time.time() + 3600)
             assert await _status(gw, sess["session_id"]) == "active"
         finally:
