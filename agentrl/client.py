@@ -45,6 +45,7 @@ import random
 import time
 import uuid
 from collections.abc import Coroutine, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, TypeVar
@@ -228,12 +229,40 @@ class _Close:
     client: Any  # an SDK client made for an episode without a shared connection pool
 
 
-def _advance(steps: Steps[T], value: Any, error: Exception | None) -> tuple[bool, Any]:
-    """(done, the result) or (not done, the next step)."""
-    try:
-        return False, (steps.throw(error) if error is not None else steps.send(value))
-    except StopIteration as stop:
-        return True, stop.value
+class _Run:
+    """One operation's steps as a driver advances them; the whole driver is::
+
+        run = _Run(steps)
+        while run.next():
+            with run.capture():
+                run.sent = perform(run.step)     # or: await perform(run.step)
+        return run.result
+    """
+
+    def __init__(self, steps: Steps[Any]) -> None:
+        self.steps = steps
+        self.step: Any = None
+        self.sent: Any = None
+        self.error: Exception | None = None
+        self.result: Any = None
+
+    def next(self) -> bool:
+        """Hand the last step's result (or error) to the steps; False once they returned ``result``."""
+        try:
+            self.step = self.steps.throw(self.error) if self.error is not None else self.steps.send(self.sent)
+        except StopIteration as stop:
+            self.result = stop.value
+            return False
+        self.sent, self.error = None, None
+        return True
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        """An exception of the step is thrown into the steps at their ``yield``: they decide what it means."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - handed on, not swallowed
+            self.error = exc
 
 
 class _GatewayBase:
@@ -427,16 +456,11 @@ class Gateway(_GatewayBase):
             time.sleep(wait)
 
     def _run(self, steps: Steps[T]) -> T:
-        value: Any = None
-        error: Exception | None = None
-        while True:
-            done, step = _advance(steps, value, error)
-            if done:
-                return step  # type: ignore[no-any-return]
-            try:
-                value, error = self._perform(step), None
-            except Exception as exc:  # noqa: BLE001 - thrown into the steps, which decide
-                value, error = None, exc
+        run = _Run(steps)
+        while run.next():
+            with run.capture():
+                run.sent = self._perform(run.step)
+        return run.result  # type: ignore[no-any-return]
 
     def _perform(self, step: _Request | _Close) -> Any:
         if isinstance(step, _Close):
@@ -559,16 +583,11 @@ class AsyncGateway(_GatewayBase):
             await asyncio.sleep(wait)
 
     async def _run(self, steps: Steps[T]) -> T:
-        value: Any = None
-        error: Exception | None = None
-        while True:
-            done, step = _advance(steps, value, error)
-            if done:
-                return step  # type: ignore[no-any-return]
-            try:
-                value, error = await self._perform(step), None
-            except Exception as exc:  # noqa: BLE001 - thrown into the steps, which decide
-                value, error = None, exc
+        run = _Run(steps)
+        while run.next():
+            with run.capture():
+                run.sent = await self._perform(run.step)
+        return run.result  # type: ignore[no-any-return]
 
     async def _perform(self, step: _Request | _Close) -> Any:
         if isinstance(step, _Close):

@@ -325,9 +325,11 @@ def step_row(step: int, summary: dict[str, Any], trained: dict[str, Any], second
     the reward the trainer trained on.
 
     ``mean_reward`` is the mean of the episode rewards the agents posted. ``trainer_reward`` is the
-    trainer's ``reward/mean``: the mean over the batch's turns of each turn's return, the rewards after it
-    discounted by gamma per turn, so it differs from ``mean_reward`` for multi-turn episodes (None when the
-    step was skipped: nothing to learn).
+    trainer's ``reward/mean``, what GRPO's advantages are computed from: the mean over the batch's rows
+    (one per root-to-leaf path of a session's turns) of the path's return discounted to its first turn,
+    ``sum(gamma**t * reward[t])``. An episode reward counts at the episode's last turn, so an episode of T
+    turns enters it as ``gamma**(T-1)`` times its reward (0.9 for a reward of 1 after two turns at gamma
+    0.9). None when the step was skipped (nothing to learn).
     """
     row: dict[str, Any] = {"step": step, "mean_reward": summary.get("mean_reward"),
                            "trainer_reward": trained.get("reward/mean"), "episodes": summary["episodes"],
@@ -348,7 +350,7 @@ def _fmt(value: Any) -> str:
 def _step_line(row: dict[str, Any], gamma: float) -> str:
     trained = "skipped (nothing to learn)" if row["skipped"] else f"{_fmt(row['trainer_reward'])}"
     parts = [f"mean episode reward {_fmt(row['mean_reward'])} over {row['episodes']} episodes",
-             f"trainer reward {trained} (per-turn returns, gamma {gamma})"]
+             f"trainer reward {trained} (discounted to turn 1, gamma {gamma})"]
     parts += [f"{name} {_fmt(row[key])}" for key, name in ACCURACIES.items() if key in row]
     return ", ".join(parts) + f" ({row['seconds']}s)"
 

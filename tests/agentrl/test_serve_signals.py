@@ -11,50 +11,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from tests.agentrl.processes import alive, commands, descendants
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as dead)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _descendants(root: int) -> set[int]:
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [root]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _names(pids: set[int]) -> str:
-    out = []
-    for pid in sorted(pids):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            out.append(f"{pid}: {cmdline[:120]}")
-        except OSError:
-            pass
-    return "\n".join(out)
 
 
 def test_serve_stops_every_process_on_sigterm_and_exits_cleanly(tmp_path, tiny_model_dir):
@@ -71,10 +34,10 @@ def test_serve_stops_every_process_on_sigterm_and_exits_cleanly(tmp_path, tiny_m
             if "agentrl serve: ready" in line:
                 break
         assert "agentrl serve: ready" in "".join(lines), "".join(lines)[-4000:]
-        started = _descendants(proc.pid)
-        commands = _names(started)
+        started = descendants(proc.pid)
+        running = commands(started)
         for role in ("engine", "gateway", "train"):
-            assert f"agentrl {role}" in commands, commands
+            assert f"agentrl {role}" in running, running
 
         proc.send_signal(signal.SIGTERM)
         rest = proc.stdout.read()
@@ -87,7 +50,7 @@ def test_serve_stops_every_process_on_sigterm_and_exits_cleanly(tmp_path, tiny_m
     assert "Traceback" not in rest, rest
     # every process it started, and theirs, is gone (the hang guard only bounds a failure)
     guard = time.monotonic() + 60
-    while any(_alive(pid) for pid in started) and time.monotonic() < guard:
+    while any(alive(pid) for pid in started) and time.monotonic() < guard:
         time.sleep(0.1)
-    assert not [pid for pid in started if _alive(pid)], _names({pid for pid in started if _alive(pid)})
+    assert not [pid for pid in started if alive(pid)], commands({pid for pid in started if alive(pid)})
     assert not list((out / "trainer" / "sync").glob("v*"))

@@ -12,24 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.agentrl.processes import alive, commands, descendants
+
 pytestmark = pytest.mark.slow
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    try:
-        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
-    except OSError:
-        return False
-
-
-def _children_of(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+def _gone(pids: set[int]) -> list[int]:
+    """Waits (bounded only as a hang guard) until every one of ``pids`` has exited; returns those that did not."""
+    guard = time.monotonic() + 60
+    while any(alive(pid) for pid in pids) and time.monotonic() < guard:
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
 
 
 def test_up_quick_on_tiny_runs_the_whole_loop_and_stops_everything(tmp_path, tiny_model_dir):
@@ -44,7 +37,7 @@ def test_up_quick_on_tiny_runs_the_whole_loop_and_stops_everything(tmp_path, tin
     assert proc.stdout is not None
     for line in proc.stdout:
         lines.append(line)
-        seen_children.update(_children_of(proc.pid))
+        seen_children.update(descendants(proc.pid))
     assert proc.wait(timeout=600) == 0, "".join(lines[-40:])
 
     summary = json.loads((out / "summary.json").read_text())
@@ -57,14 +50,17 @@ def test_up_quick_on_tiny_runs_the_whole_loop_and_stops_everything(tmp_path, tin
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     checkpoint = Path(summary["checkpoint"])
     assert (checkpoint / "config.json").exists() and any(checkpoint.glob("*.safetensors"))
+    assert not (checkpoint / "optimizer").exists()  # weights-only unless --save-optimizer
+    assert not list((out / "trainer" / "sync").glob("v*"))  # the disk pushes' copies are gone
+    for row in summary["per_step"]:  # the math agent reports accuracy; the trainer's discounted reward beside
+        assert "accuracy_final" in row and (row["trainer_reward"] is not None or row["skipped"])
     # the trainer reached weight version 2 and the engine served it
     metrics = [json.loads(l) for l in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
     assert [m["version"] for m in metrics] == [1, 2]
     assert "eval after" in "".join(lines)
     # every process it started is gone
     assert seen_children, "agentrl up started no child processes?"
-    time.sleep(0.5)
-    assert [pid for pid in seen_children if _alive(pid)] == []
+    assert _gone(seen_children) == []
 
 
 def test_up_stops_its_children_on_sigint(tmp_path, tiny_model_dir):
@@ -74,19 +70,19 @@ def test_up_stops_its_children_on_sigint(tmp_path, tiny_model_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.stdout is not None
-    children: set[int] = set()
     lines: list[str] = []
     for line in proc.stdout:
         lines.append(line)
-        children.update(_children_of(proc.pid))
         if "starting trainer" in line:
             break
-    time.sleep(1.0)
-    children.update(_children_of(proc.pid))
-    # engine, gateway, trainer; if `up` stopped before its trainer, its output says why
-    assert len(children) >= 3, "".join(lines)[-4000:]
+    # the trainer is started right after that line: wait for the process itself (engine, gateway, trainer)
+    guard = time.monotonic() + 60
+    while "agentrl train" not in commands(descendants(proc.pid)) and time.monotonic() < guard:
+        time.sleep(0.1)
+    children = descendants(proc.pid)
+    running = commands(children)
+    assert all(f"agentrl {role}" in running for role in ("engine", "gateway", "train")), "".join(lines)[-4000:] + running
     proc.send_signal(signal.SIGINT)
     rest = proc.stdout.read()
     assert proc.wait(timeout=120) == 130, rest
-    time.sleep(0.5)
-    assert [pid for pid in children if _alive(pid)] == []
+    assert _gone(children) == []

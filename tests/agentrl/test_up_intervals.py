@@ -34,7 +34,7 @@ def test_an_agent_without_accuracy_gets_rewards_only_in_the_summary_and_on_the_c
     assert row["mean_reward"] == 0.625 and row["trainer_reward"] == 0.5125
     line = _step_line(row, 0.9)
     assert "acc" not in line
-    assert "mean episode reward 0.625 over 8 episodes" in line and "trainer reward 0.512 (per-turn returns, gamma 0.9)" in line
+    assert "mean episode reward 0.625 over 8 episodes" in line and "trainer reward 0.512 (discounted to turn 1, gamma 0.9)" in line
     evaluated = _eval_summary(custom, 20)
     assert set(evaluated) == {"mean_reward", "prompts", "failed"} and "accuracy" not in _eval_line(custom)
 
