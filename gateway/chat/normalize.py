@@ -14,7 +14,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from gateway.chat.errors import ChatFormatError
@@ -307,8 +307,59 @@ def _link(previous: str, msg: Mapping[str, Any]) -> str:
 
 def _link_uncached(previous: str, msg: Mapping[str, Any]) -> str:
     digest = hashlib.sha256(bytes.fromhex(previous))
-    digest.update(canonical_json(normalize_message(msg)).encode("utf-8", "surrogatepass"))
+    normalized = normalize_message(msg)
+    if _chars(normalized) <= SLICED_HASH_CHARS:
+        digest.update(canonical_json(normalized).encode("utf-8", "surrogatepass"))
+    else:
+        for piece in _canonical_pieces(normalized):
+            digest.update(piece.encode("utf-8", "surrogatepass"))
     return digest.hexdigest()
+
+
+# A message of more characters than this is hashed in slices (the same bytes, so the same hash): one
+# ``json.dumps`` of a 7.9 MB string holds the interpreter lock for tens of ms in one C call, so even on a
+# worker thread it stalled the event loop that long (issue 36); a slice of 256K characters takes well under
+# a millisecond, and the loop gets the lock between slices.
+SLICED_HASH_CHARS = 1_000_000
+_SLICE_CHARS = 1 << 18
+
+
+def _chars(value: object) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_chars(v) for v in value)
+    return 0
+
+
+def _canonical_pieces(value: object) -> Iterator[str]:
+    """:func:`canonical_json` of ``value`` in pieces whose concatenation is exactly its text, long strings
+    a slice at a time (JSON escapes each code point on its own, so slicing a ``str`` keeps its encoding)."""
+    if isinstance(value, str):
+        if len(value) <= _SLICE_CHARS:
+            yield json.dumps(value, ensure_ascii=False)
+            return
+        yield '"'
+        for start in range(0, len(value), _SLICE_CHARS):
+            yield json.dumps(value[start:start + _SLICE_CHARS], ensure_ascii=False)[1:-1]
+        yield '"'
+    elif isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        yield "{"
+        for i, key in enumerate(sorted(value)):
+            yield ("," if i else "") + json.dumps(key, ensure_ascii=False) + ":"
+            yield from _canonical_pieces(value[key])
+        yield "}"
+    elif isinstance(value, list):
+        yield "["
+        for i, item in enumerate(value):
+            if i:
+                yield ","
+            yield from _canonical_pieces(item)
+        yield "]"
+    else:  # numbers, booleans, null (and whatever json.dumps makes of the rest)
+        yield canonical_json(value)
 
 
 # A conversation's earlier messages come back with every turn, so the links of plain ``{role, content}``
