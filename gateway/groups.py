@@ -35,6 +35,7 @@ from typing import Any
 from gateway import errors
 from gateway.context import Services
 from gateway.errors import from_store_error
+from gateway.episodes.groups import seal_implicit
 from gateway.store import GroupRecord, SessionRecord
 from gateway.store import errors as store_errors
 
@@ -168,9 +169,11 @@ async def close_group(svc: Services, group_id: str) -> dict[str, Any]:
     A group that is already sealed is left as it is. A later session of the id starts the id's next group."""
     try:
         group = (await svc.store.get_groups(group_ids=[group_id])).get(group_id)
+        if group is None:  # an implicit group (no row): sealed as it stands (gateway.episodes.groups)
+            group = await seal_implicit(svc.store, group_id)
         if group is None:
             raise errors.NotFound(f"no group {group_id!r} was admitted (POST /v1/groups or /v1/sessions with "
-                                  "this group_id)", param="group_id")
+                                  "this group_id) and no implicit session has it", param="group_id")
         unused = await svc.store.close_group(group_id=group_id, status="closed")
     except store_errors.StoreError as exc:
         raise from_store_error(exc) from exc
