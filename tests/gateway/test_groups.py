@@ -90,8 +90,8 @@ async def test_group_is_created_whole_listed_and_abandoned(make_gw: Any) -> None
         # Finishing the first and abandoning the third sends the group at once (no group timeout).
         assert (await gw.post(f"/v1/sessions/{first['session_id']}/finish", key=ADMIN)).status_code == 200
         assert (await gw.post(f"/v1/sessions/{third['session_id']}/abandon", key=ADMIN)).status_code == 200
-        resp = await gw.http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 5},
-                                 headers={"Authorization": f"Bearer {ADMIN}"})
+        resp = await gw.http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 120},  # a hang guard
+                                 headers={"Authorization": f"Bearer {ADMIN}"}, timeout=150)
         assert resp.status_code == 200
         got = await admin_get(gw, f"/v1/groups/{gid}")
         assert got["status"] == "exported"
@@ -273,7 +273,8 @@ async def test_a_group_filled_one_by_one_is_closed_early_by_its_caller(make_gw: 
         resp = await gw.post("/v1/groups/lazy/close", key=ADMIN)
         assert resp.status_code == 200 and resp.json()["status"] == "finished", resp.text
         assert await admitted(gw) == 1  # only the finished session is still charged
-        resp = await gw.http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 10}, headers=headers)
+        resp = await gw.http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 120}, headers=headers,
+                                 timeout=150)  # a hang guard
         assert resp.status_code == 200
         from agentrl.trajectory import decode_batch
 
