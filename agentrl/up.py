@@ -8,7 +8,7 @@ and the GRPO trainer as separate processes, then drives the example math agent t
 
 Rounds are synchronous (the runner produces one batch, the trainer trains on it and pushes the weights,
 then the next round starts), so every training rollout is on-policy and the curve reads step by step.
-Every process it started is stopped on success, on error and on Ctrl-C. External PostgreSQL, Redis or
+Every process it started is stopped on success, on error, on Ctrl-C and on SIGTERM. External PostgreSQL, Redis or
 engine URLs replace the embedded ones with ``--db``, ``--redis`` and ``--engine-url``.
 """
 
@@ -112,7 +112,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_command("up", UpSettings, args, _main, errors={UpFailed: 1})
+    from agentrl.episodes import EpisodeFnError
+    from agents.datasets import DatasetError
+
+    # a task file or agent that cannot be read is refused before anything starts
+    return run_command("up", UpSettings, args, _main, errors={UpFailed: 1, EpisodeFnError: 2, DatasetError: 2})
 
 
 def _main(settings: UpSettings) -> int:
@@ -163,6 +167,10 @@ def up(settings: UpSettings) -> dict[str, Any]:
     t0 = time.monotonic()
     say = lambda msg: print(f"[agentrl up {time.monotonic() - t0:6.0f}s] {msg}", flush=True)  # noqa: E731
     tasks = training_tasks(settings)
+    if settings.custom:
+        from agentrl.episodes import load_episode_fn
+
+        load_episode_fn(settings.agent)  # a name that does not import fails here, before anything starts
 
     try:
         with Processes(out / "logs") as procs:

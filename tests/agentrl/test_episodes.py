@@ -127,3 +127,17 @@ def test_eval_report_prints_three_digit_intervals_and_says_which():
     # mean 0.58333, sample sd 0.38188, half width 1.959964 x 0.38188 / sqrt(3) = 0.43213
     assert "mean reward 0.583  95% CI [0.151, 1.015] (normal approx.)" in text
     assert "0.054418" not in text and "difference (checkpoint - base, paired by task): 0.500" in text
+
+
+def test_up_refuses_an_unreadable_task_file_or_agent_before_starting_anything(tmp_path, capsys):
+    from agentrl.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2]\n")
+    assert main(["up", "--agent", "m:f", "--dataset", str(bad), "--out-dir", str(tmp_path / "a")]) == 2
+    assert "bad.jsonl:1: a task must be a JSON object" in capsys.readouterr().err
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"id": "a"}\n')
+    assert main(["up", "--agent", "no_such_module_y:f", "--dataset", str(good), "--out-dir", str(tmp_path / "b")]) == 2
+    assert "cannot import 'no_such_module_y'" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "logs").exists()  # no process was started
