@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "export-model": "trainer.export",
     "agent": "agents.cli",
     "bench": "agentrl.bench",
+    "group": "agentrl.group",
 }
 
 
