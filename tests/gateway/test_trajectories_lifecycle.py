@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
@@ -149,15 +150,23 @@ async def test_staleness_releases_budget_of_abandoned_sessions(service):
     await admission.reserve(1)
 
 
+async def _until(check: Any) -> None:
+    async with asyncio.timeout(120):  # a hang guard
+        while not check():
+            await asyncio.sleep(0.005)
+
+
 async def test_lease_waits_without_blocking_the_loop(service):
     store = service.store
     service.settings.tick_s = 0.05
     service.start()
-    waiting = asyncio.create_task(service.lease_batch(1, 5.0))
-    await asyncio.sleep(0.2)
+    waiting = asyncio.create_task(service.lease_batch(1, 120.0))  # the wait is a hang guard
+    ticks = service.stats.ticks
+    await _until(lambda: service.stats.ticks >= ticks + 2)  # the loop ticks while the lease waits
+    assert not waiting.done()
     s = await session_with_turns(store, None)
     await store.finish_session(session_id=s.id)
-    lease_id, batch = await asyncio.wait_for(waiting, 5.0)
+    lease_id, batch = await asyncio.wait_for(waiting, 150)
     assert decode_batch(batch)[0][0].session_id == s.id
     with pytest.raises(errors.InvalidRequest):
         await service.lease_batch(0, 0.0)
@@ -194,16 +203,23 @@ async def test_stop_ends_the_loop_when_cancelled_right_after_a_wake_up(service):
     land in any loop iteration after the wake-up; with asyncio.wait_for (Python 3.11) one of them swallowed
     it and stop() waited forever."""
     service.settings.tick_s = 30.0  # the loop sits in its wait between ticks, not in a tick
+    finished = asyncio.Event()
+    real_tick = service.tick
+
+    async def tick(*args: Any, **kwargs: Any) -> None:
+        await real_tick(*args, **kwargs)
+        finished.set()  # the loop goes on to its wait without yielding: it is there when the test wakes
+
+    service.tick = tick  # type: ignore[method-assign]
     for yields in range(6):
+        finished.clear()
         service.start()
-        while service.stats.ticks == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)  # let the first tick finish
+        await asyncio.wait_for(finished.wait(), 120)  # the first tick has finished (a hang guard)
         service.notify()
         for _ in range(yields):
             await asyncio.sleep(0)
         stopping = asyncio.create_task(service.stop())
-        done, _ = await asyncio.wait({stopping}, timeout=5)  # a hang check, not a timing figure
+        done, _ = await asyncio.wait({stopping}, timeout=60)  # a hang check, not a timing figure
         if not done:
             stopping.cancel()  # a second cancel does reach the loop; leave nothing running
             await asyncio.gather(stopping, return_exceptions=True)
@@ -225,22 +241,29 @@ async def test_the_loop_does_its_upkeep_every_tenth_tick_and_when_woken(service)
 
     service._upkeep = counted  # type: ignore[method-assign]
     every = service.UPKEEP_EVERY_TICKS
+    finished: list[bool] = []  # the loop's finished ticks (their upkeep flag)
+    real_tick = service.tick
+
+    async def tick(now: float | None = None, *, upkeep: bool = True) -> None:
+        await real_tick(now, upkeep=upkeep)
+        finished.append(upkeep)
+        if len(finished) == 2 * every + 1:
+            # the loop now waits between ticks until woken: set before its next wait begins, so that no
+            # tick of the short period can follow however slowly the test runs
+            service.settings.tick_s = 30.0
+
+    service.tick = tick  # type: ignore[method-assign]
     service.settings.tick_s = 0.01
     service.start()
-    while service.stats.ticks < 2 * every + 1:
-        await asyncio.sleep(0.01)
-    service.settings.tick_s = 30.0  # the loop now waits between ticks until woken
-    await asyncio.sleep(0.1)
+    await _until(lambda: len(finished) >= 2 * every + 1)
     seen = list(upkeeps)
     assert seen[:3] == [1, every + 1, 2 * every + 1], seen  # ticks counted from 1
     ticks = service.stats.ticks
     service.notify()
-    while service.stats.ticks == ticks:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)
+    await _until(lambda: len(finished) == 2 * every + 2)  # the woken tick has finished
     assert upkeeps[-1] == ticks + 1 and len(upkeeps) == len(seen) + 1  # the woken tick did its upkeep
     await service.stop()
-    await service.tick()
+    await real_tick()
     assert len(upkeeps) == len(seen) + 2
 
 
@@ -261,7 +284,7 @@ async def test_stop_ends_the_loop_when_a_tick_swallows_the_cancellation(service)
     service.start()
     await entered.wait()
     stopping = asyncio.create_task(service.stop())
-    done, _ = await asyncio.wait({stopping}, timeout=5)  # a hang check, not a timing figure
+    done, _ = await asyncio.wait({stopping}, timeout=60)  # a hang check, not a timing figure
     if not done:
         stopping.cancel()
         await asyncio.gather(stopping, return_exceptions=True)
