@@ -30,6 +30,7 @@ route is a bug: it is logged with its traceback and answered 500 without leaking
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from pydantic import ValidationError
@@ -132,10 +133,20 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 
 def anthropic_error_body(exc: GatewayError) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and Anthropic-shaped body of an error (``/v1/messages`` and its siblings)."""
+    """The HTTP status and Anthropic-shaped body of an error (``/v1/messages`` and its siblings). A prompt
+    over the context is said as Anthropic says it (``prompt is too long: N tokens > M maximum``): Claude Code
+    compacts its history on exactly that message and sends again (reactive compaction), where any other
+    wording ends its run."""
     kind = _ANTHROPIC_TYPES.get(exc.status, "api_error")
     message = exc.message if exc.param is None or exc.param in exc.message else f"{exc.param}: {exc.message}"
+    sizes = _CONTEXT_SIZES.search(exc.message) if isinstance(exc, ContextLengthExceeded) else None
+    if sizes is not None:
+        message = f"prompt is too long: {sizes.group(2)} tokens > {sizes.group(1)} maximum ({exc.message})"
     return exc.status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# "this model's maximum context length is N tokens; the prompt has [at least] M tokens" (service, engines)
+_CONTEXT_SIZES = re.compile(r"maximum context length is (\d+) tokens\D*?(\d+) tokens")
 
 
 def from_store_error(exc: store_errors.StoreError) -> GatewayError:
