@@ -44,39 +44,12 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway import errors
+from gateway.store import schema
+from gateway.store.backend import Backend
 
-metadata = sa.MetaData()
-
-queue_table = sa.Table(
-    "trajectory_queue",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("group_key", sa.String(64), nullable=False, unique=True),
-    sa.Column("group_id", sa.String(255), nullable=False),
-    sa.Column("session_ids", sa.JSON, nullable=False),
-    sa.Column("payload", sa.LargeBinary, nullable=False),
-    sa.Column("n_rows", sa.Integer, nullable=False),
-    sa.Column("n_tokens", sa.Integer, nullable=False),
-    sa.Column("min_version", sa.Integer, nullable=False),
-    sa.Column("complete", sa.Boolean, nullable=False),
-    sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("status", sa.String(16), nullable=False),  # ready | leased | held
-    sa.Column("lease_id", sa.String(64), nullable=True),
-    sa.Column("lease_deadline", sa.Float, nullable=True),
-    sa.Column("deliveries", sa.Integer, nullable=False),
-    sa.Column("held_at", sa.Float, nullable=True),
-)
-
-lease_table = sa.Table(
-    "trajectory_leases",
-    metadata,
-    sa.Column("id", sa.String(64), primary_key=True),
-    sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("deadline", sa.Float, nullable=False),
-    sa.Column("status", sa.String(16), nullable=False),  # open | acked | expired
-    sa.Column("n_groups", sa.Integer, nullable=False),
-    sa.Column("acked_at", sa.Float, nullable=True),
-)
+# the tables (Alembic revision 0002_trajectories) are defined with the store's others
+queue_table = schema.trajectory_queue
+lease_table = schema.trajectory_leases
 
 LEASE_RETENTION_S = 86_400.0  # how long a finished lease is remembered (to answer 409 rather than 404)
 POLL_S = 0.2  # how often a waiting lease looks again (other processes may have added groups)
@@ -216,8 +189,9 @@ def _lost_group(exc: BaseException | None) -> bool:
 class SqlQueue:
     """The queue over the tables of migration ``0002_trajectories`` (SQLite or PostgreSQL)."""
 
-    def __init__(self, engine: AsyncEngine, *, lease_timeout_s: float) -> None:
-        self.engine = engine
+    def __init__(self, backend: Backend, *, lease_timeout_s: float) -> None:
+        self.backend = backend
+        self.engine = backend.write_engine
         self.lease_timeout_s = lease_timeout_s
         self._waiter = _Waiter()
         self._leases_pruned_at = 0.0
@@ -283,12 +257,10 @@ class SqlQueue:
             )
             await self._hold_stale(conn, now, min_version)
             pick = sa.select(q.c.id).where(self._available(now)).order_by(q.c.id).limit(max_groups)
-            if conn.dialect.name == "postgresql":
-                # Lock the picked rows first: PostgreSQL may re-run a LIMIT subquery inside an UPDATE,
-                # and with SKIP LOCKED each run picks different rows.
-                ids: Any = [r.id for r in await conn.execute(pick.with_for_update(skip_locked=True))]
-            else:
-                ids = pick.scalar_subquery()  # SQLite: one writer at a time, one statement
+            # The picked rows' ids first, locked where the database locks rows (skipping those another
+            # lease holds): PostgreSQL may re-run a LIMIT subquery inside an UPDATE, and with SKIP LOCKED
+            # each run would pick different rows. (SQLite has one writer at a time: nothing to skip.)
+            ids = [r.id for r in await conn.execute(self.backend.lock(pick, skip_locked=True))]
             claimed = await conn.execute(
                 q.update()
                 .where(q.c.id.in_(ids), self._available(now))

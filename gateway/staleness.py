@@ -20,50 +20,34 @@ not leased; it is held back (counted) and dropped after a configured age (see ``
 Eval sessions (``metadata.eval``) never count. Before any trainer registers there is no limit.
 
 State lives in one SQL row (table ``trainer_state`` of migration ``0002_trajectories``), and admission is
-one conditional ``UPDATE`` (on PostgreSQL one autocommit statement that also reads the state for a
-refusal), so several gateway processes sharing a database share one budget exactly. On
-SQLite (one gateway process) :meth:`StalenessControl.admit` and :meth:`~StalenessControl.release` run as
-one call in the store's SQLite writer thread (``Store.sqlite_writer``: the same ``UPDATE`` in one hop off
-the event loop; an implicit-mode root turn asks for it on every request); on PostgreSQL ``admit`` runs on
-the store's own asyncpg connection (``Store.postgres_statements``), not through SQLAlchemy's pool. Either
-way an admission whose caller is cancelled meanwhile (its client left) runs to its end and gives back what
-it charged.
+one conditional ``UPDATE``, so several gateway processes sharing a database share one budget exactly.
+The statement is the store backend's (``gateway.store.backend.Backend.admit``): on SQLite (one gateway
+process) it runs in the store's writer thread, one hop off the event loop (an implicit-mode root turn asks
+for it on every request); on PostgreSQL as one autocommit statement that also reads the state for a
+refusal, on the store's own asyncpg connection, not through SQLAlchemy's pool. An admission whose caller
+is cancelled meanwhile (its client left) runs to its end and gives back what it charged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, nullcontext
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from gateway import errors
-from gateway.queue import metadata
 from gateway.store import errors as store_errors
+from gateway.store.backend import TRAINER_ROW as _ROW
+from gateway.store.backend import Backend
+from gateway.store.schema import trainer_state as trainer_table
 
 log = logging.getLogger(__name__)
-
-trainer_table = sa.Table(
-    "trainer_state",
-    metadata,
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("version", sa.Integer, nullable=False),
-    sa.Column("batch_size", sa.Integer, nullable=False),
-    sa.Column("staleness_bound", sa.Integer, nullable=False),
-    sa.Column("group_size", sa.Integer, nullable=False),
-    sa.Column("base_version", sa.Integer, nullable=False),
-    sa.Column("admitted", sa.Integer, nullable=False),
-    sa.Column("updated_at", sa.Float, nullable=False),
-)
-_ROW = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,32 +89,12 @@ def _unavailable(exc: SQLAlchemyError) -> errors.StoreUnavailable:
     return errors.StoreUnavailable(f"staleness state unavailable: {exc}")
 
 
-# PostgreSQL: admit() as one statement in autocommit (one round trip): the conditional UPDATE, and the
-# state as it was before it (what a refusal reports; the UPDATE did nothing then). READ COMMITTED
-# re-checks the UPDATE's condition after waiting for a concurrent admission's row lock, as before.
-# ``$1`` = n, ``$2`` = the row's id, as the store's own asyncpg connection takes it
-# (gateway.store.api.Store.postgres_statements); the same through SQLAlchemy for a bare engine.
-_ADMIT_ONE_STATEMENT_PG = (
-    "WITH upd AS (UPDATE trainer_state SET admitted = admitted + $1 WHERE id = $2 AND admitted + $1 <= "
-    "(staleness_bound + version - base_version + 1) * batch_size * group_size RETURNING id) "
-    "SELECT (SELECT count(*) FROM upd) AS done, t.version, t.batch_size, t.staleness_bound, t.group_size, "
-    "t.base_version, t.admitted FROM (SELECT 1) AS one LEFT JOIN trainer_state AS t ON t.id = $2")
-_ADMIT_ONE_STATEMENT = sa.text(_ADMIT_ONE_STATEMENT_PG.replace("$1", ":n").replace("$2", ":id"))
-
-
 class StalenessControl:
-    def __init__(self, engine: AsyncEngine, *, default_group_size: int, retry_after_s: float,
-                 sqlite_writer: Any | None = None, postgres_statements: Any | None = None,
-                 connection_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> None:
-        self.engine = engine
-        # Store.connection_slot: admit/release (on a request's path) wait their turn for a pool connection
-        self._slot = connection_slot or nullcontext
+    def __init__(self, backend: Backend, *, default_group_size: int, retry_after_s: float) -> None:
+        self.backend = backend  # admit/release are its statements; the rest goes through its write engine
+        self.engine = backend.write_engine
         self.default_group_size = default_group_size
         self.retry_after_s = retry_after_s
-        # gateway.store.writer.SqliteBatchWriter of the store on SQLite: admit/release run there in one hop
-        self.sqlite_writer = sqlite_writer
-        # PostgreSQL: the store's own connection for admit (gateway.store.writer.PostgresBatchWriter)
-        self.postgres_statements = postgres_statements
 
     async def state(self) -> TrainerState | None:
         """The registered trainer's state, or None before any trainer registered."""
@@ -202,41 +166,18 @@ class StalenessControl:
         bigger than that would wait forever)."""
         if is_eval or n <= 0:
             return 0
-        if self.sqlite_writer is not None:
-            return await self._shielded(self._in_sqlite(lambda conn: self._admit_sync(conn, n)))
-        if self.postgres_statements is not None:
-            return await self._shielded(self._admit_postgres(n))
-        if self.engine.dialect.name != "postgresql":
-            try:
-                async with self._slot(), self.engine.begin() as conn:
-                    return await self.admit_in(conn, n=n)
-            except SQLAlchemyError as exc:
-                raise _unavailable(exc) from exc
-        try:
-            async with self._slot(), self.engine.connect() as conn:
-                autocommit = await conn.execution_options(isolation_level="AUTOCOMMIT")
-                row = (await autocommit.execute(_ADMIT_ONE_STATEMENT, {"n": n, "id": _ROW})).first()
-        except SQLAlchemyError as exc:
-            raise _unavailable(exc) from exc
-        assert row is not None
-        return self._admitted(row._mapping, n)
+        return await self._shielded(self._admit(n))
 
-    async def _admit_postgres(self, n: int) -> int:
-        """:meth:`admit` as one autocommit statement on the store's own asyncpg connection."""
+    async def _admit(self, n: int) -> int:
         try:
-            row = await self.postgres_statements.fetchrow(_ADMIT_ONE_STATEMENT_PG, n, _ROW)  # type: ignore[union-attr]
+            counted, row = await self.backend.admit(n)
         except store_errors.StoreError as exc:
             raise errors.StoreUnavailable(f"staleness state unavailable: {exc}") from exc
-        return self._admitted(row, n)
-
-    def _admitted(self, row: Any, n: int) -> int:
-        """``n`` if the one-statement admission counted them, 0 with no trainer registered; else refuse."""
-        if row["done"]:
+        if counted:
             return n
-        if row["version"] is None:
+        if row is None:
             return 0  # no trainer registered: nothing to stay within
-        self._refuse(TrainerState(row["version"], row["batch_size"], row["staleness_bound"], row["group_size"],
-                                  row["base_version"], row["admitted"]), n)
+        self._refuse(TrainerState(*row), n)
 
     async def _shielded(self, admission: Awaitable[int]) -> int:
         """An admission that runs to its end even if the caller is cancelled meanwhile (its client left);
@@ -254,25 +195,6 @@ class StalenessControl:
         late = asyncio.ensure_future(self.release(task.result()))
         late.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
             "staleness budget of a cancelled admission not given back: %s", t.exception()))
-
-    async def _in_sqlite(self, fn: Any) -> Any:
-        try:
-            return await self.sqlite_writer.run(fn)  # type: ignore[union-attr]
-        except store_errors.StoreError as exc:
-            raise errors.StoreUnavailable(f"staleness state unavailable: {exc}") from exc
-
-    def _admit_sync(self, conn: sqlite3.Connection, n: int) -> int:
-        """:meth:`admit_in` on a ``sqlite3`` connection (the same statements)."""
-        done = conn.execute(
-            "UPDATE trainer_state SET admitted = admitted + ? WHERE id = ? AND admitted + ? <= "
-            "(staleness_bound + version - base_version + 1) * batch_size * group_size", (n, _ROW, n))
-        if done.rowcount:
-            return n
-        row = conn.execute("SELECT version, batch_size, staleness_bound, group_size, base_version, admitted "
-                           "FROM trainer_state WHERE id = ?", (_ROW,)).fetchone()
-        if row is None:
-            return 0  # no trainer registered: nothing to stay within
-        self._refuse(TrainerState(*row), n)
 
     async def admit_in(self, conn: AsyncConnection, *, n: int = 1, is_eval: bool = False) -> int:
         """:meth:`admit` on the caller's open transaction ``conn`` (on this database): the count commits
@@ -312,17 +234,7 @@ class StalenessControl:
         """Give back budget of ``n`` sessions that will never be trained (abandoned, empty, dropped)."""
         if n <= 0:
             return
-        if self.sqlite_writer is not None:
-            await self._in_sqlite(lambda conn: conn.execute(
-                "UPDATE trainer_state SET admitted = CASE WHEN admitted >= ? THEN admitted - ? ELSE 0 END "
-                "WHERE id = ?", (n, n, _ROW)))
-            return
-        t = trainer_table
         try:
-            async with self._slot(), self.engine.begin() as conn:
-                await conn.execute(
-                    t.update().where(t.c.id == _ROW)
-                    .values(admitted=sa.case((t.c.admitted >= n, t.c.admitted - n), else_=0))
-                )
-        except SQLAlchemyError as exc:
-            raise _unavailable(exc) from exc
+            await self.backend.release(n)
+        except store_errors.StoreError as exc:
+            raise errors.StoreUnavailable(f"staleness state unavailable: {exc}") from exc

@@ -161,13 +161,10 @@ class TrajectoryService:
         self.queue: TrajectoryQueue = (
             RedisQueue(redis, prefix=store.redis_prefix, lease_timeout_s=settings.lease_timeout_s, engine=store.engine)
             if redis is not None
-            else SqlQueue(store.engine, lease_timeout_s=settings.lease_timeout_s)
+            else SqlQueue(store.backend, lease_timeout_s=settings.lease_timeout_s)
         )
-        self.staleness = StalenessControl(store.engine, default_group_size=settings.group_size,
-                                          retry_after_s=settings.retry_after_s,
-                                          sqlite_writer=getattr(store, "sqlite_writer", None),
-                                          postgres_statements=getattr(store, "postgres_statements", None),
-                                          connection_slot=getattr(store, "connection_slot", None))
+        self.staleness = StalenessControl(store.backend, default_group_size=settings.group_size,
+                                          retry_after_s=settings.retry_after_s)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._wake = asyncio.Event()

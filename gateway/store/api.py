@@ -19,33 +19,24 @@ little-endian bytes in SQL. Errors: see ``gateway.store.errors``.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
-import os
 import secrets
-import sqlite3
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
-from pathlib import Path
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Awaitable, Callable
 
 import sqlalchemy as sa
 from redis.exceptions import RedisError
-from sqlalchemy import event
-from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.store import schema
-from gateway.store.migrate import upgrade as alembic_upgrade
+from gateway.store.backend import Backend, open_backend
 from gateway.store.dberrors import db_errors
 from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreUnavailable
-from gateway.store.gate import ConnectionGate
 from gateway.store.packing import unpack_i32
 
 from gateway.store.records import (
@@ -73,12 +64,9 @@ from gateway.store.rows import (
 from gateway.sizedlru import CacheSize
 from gateway.store.seqcache import SequenceCache, TurnCache
 from gateway.store.tree import parents_first, tree_json
-from gateway.store.writer import (PG_SERVER_SETTINGS, SQLITE_PRAGMAS, GroupCommitWriter, PostgresBatchWriter,
-                                  SqliteBatchWriter)
+from gateway.store.writer import GroupCommitWriter
 
 log = logging.getLogger(__name__)
-
-_UNGATED_CONNECTIONS = 2  # of the PostgreSQL pool, for users of ``Store.engine`` that do not take a slot
 
 __all__ = [
     "SESSION_STATUSES",
@@ -128,20 +116,6 @@ def _path_ids_sql() -> sa.TextClause:
     )
 
 
-_SESSION_COLUMNS = [(c.key, c.name, isinstance(c.type, sa.JSON)) for c in schema.sessions.columns]
-_SELECT_SESSION_BY_KEY = (f"SELECT {', '.join(name for _, name, _ in _SESSION_COLUMNS)} FROM sessions "
-                          "WHERE key_hash = ?")
-
-
-def _sqlite_session_row(conn: sqlite3.Connection, key_hash: str) -> dict[str, Any] | None:
-    """The sessions row of ``key_hash`` as SQLAlchemy maps it (column keys; JSON decoded), or None."""
-    values = conn.execute(_SELECT_SESSION_BY_KEY, (key_hash,)).fetchone()
-    if values is None:
-        return None
-    return {key: json.loads(value) if is_json and value is not None else value
-            for (key, _, is_json), value in zip(_SESSION_COLUMNS, values)}
-
-
 FIND_BY_CHAIN_ROWS = 64  # find_session_by_chain reads at most this many of the newest matching turns
 MOVE_BATCH = 500  # sessions per transaction in Store.move_sessions
 
@@ -152,8 +126,7 @@ class Store:
     def __init__(
         self,
         *,
-        engine: AsyncEngine,
-        write_engine: AsyncEngine,
+        backend: Backend,
         redis: RedisState | None,
         redis_prefix: str,
         max_batch_rows: int,
@@ -162,9 +135,9 @@ class Store:
         turn_cache_size: int,
     ) -> None:
         """Use ``Store.open``."""
-        self._engine = engine
-        self._write_engine = write_engine
-        self._is_sqlite = engine.dialect.name == "sqlite"
+        self._backend = backend
+        self._engine = backend.engine
+        self._write_engine = backend.write_engine
         self._redis = redis
         self._redis_prefix = redis_prefix
         self._seqs = SequenceCache(seq_cache_tokens)
@@ -180,19 +153,7 @@ class Store:
         # api key hash -> session id, for the keys this process resolved (``known_session_id``)
         self._key_sessions: OrderedDict[str, str] = OrderedDict()
         self._local_entries = max(1024, 64 * turn_cache_size)
-        # PostgreSQL: callers wait their turn for the pool's connections instead of failing after its
-        # 30 s timeout; a few connections stay outside the gate for background users of ``engine``
-        pool = engine.pool
-        self._gate = ConnectionGate(pool.size() + max(0, pool._max_overflow) - _UNGATED_CONNECTIONS) \
-            if not self._is_sqlite and isinstance(pool, QueuePool) else None  # noqa: SLF001
-        self._sqlite_writer = (SqliteBatchWriter(os.path.abspath(str(write_engine.url.database)))
-                               if self._is_sqlite else None)
-        # the PostgreSQL writer connects with the asyncpg arguments SQLAlchemy derives from the same URL
-        direct = self._sqlite_writer or PostgresBatchWriter.for_engine(write_engine)
-        # PostgreSQL: a connection of its own for one-statement writes on the request path (the staleness
-        # admission of a new episode), without the pool's checkout and SQLAlchemy's statement machinery
-        self._pg_statements = None if self._is_sqlite else PostgresBatchWriter.for_engine(write_engine)
-        self._writer = GroupCommitWriter(direct, max_batch_rows=max_batch_rows, delay_s=commit_delay_s,
+        self._writer = GroupCommitWriter(backend.writer, max_batch_rows=max_batch_rows, delay_s=commit_delay_s,
                                          after_commit=self._after_commit)
         self._closed = False
 
@@ -220,52 +181,16 @@ class Store:
         ``turn_cache_size`` the cache of recent turns that ``find_parent`` uses with Redis.
         Raises StoreUnavailable when the database or Redis cannot be reached.
         """
-        url = make_url(db_url)
-        backend = url.get_backend_name()
-        if backend not in ("sqlite", "postgresql"):
-            raise InvalidValue(f"unsupported database URL {db_url!r}: use sqlite+aiosqlite:///PATH or postgresql+asyncpg://...")
-        if backend == "sqlite":
-            if url.drivername != "sqlite+aiosqlite":
-                url = url.set(drivername="sqlite+aiosqlite")
-            if not url.database or url.database == ":memory:":
-                raise InvalidValue("SQLite needs a file path (sqlite+aiosqlite:///PATH); in-memory databases are not shared between connections")
-            Path(url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        elif url.drivername != "postgresql+asyncpg":
-            url = url.set(drivername="postgresql+asyncpg")
-        url_str = url.render_as_string(hide_password=False)
-        if migrate:
-            async with db_errors():
-                await alembic_upgrade(url_str)
-        if backend == "sqlite":
-            engine = create_async_engine(url)
-            # one writer connection: SQLite allows one writer at a time anyway, and waiting for the pool
-            # is cheaper than polling the file lock
-            write_engine = create_async_engine(url, pool_size=1, max_overflow=0)
-            event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-            event.listen(write_engine.sync_engine, "connect", _sqlite_pragmas_autobegin_off)
-            event.listen(write_engine.sync_engine, "begin", _sqlite_begin_immediate)
-        else:
-            engine = write_engine = create_async_engine(url, pool_size=10, max_overflow=20,
-                                                        connect_args={"server_settings": PG_SERVER_SETTINGS})
-        try:
-            async with db_errors(), engine.connect() as conn:
-                await conn.execute(sa.select(schema.sessions.c.id).limit(1))
-        except StoreUnavailable:
-            await _dispose(engine, write_engine)
-            raise
-        except sa_exc.ProgrammingError as exc:  # PostgreSQL without the tables (migrate=False)
-            await _dispose(engine, write_engine)
-            raise StoreUnavailable(f"the store's tables are missing; run `alembic upgrade head`: {exc.orig}") from exc
+        backend = await open_backend(db_url, migrate=migrate)
         redis = None
         if redis_url:
             try:
                 redis = await RedisState.connect(redis_url, redis_prefix)
             except StoreUnavailable:
-                await _dispose(engine, write_engine)
+                await backend.close()
                 raise
         return cls(
-            engine=engine,
-            write_engine=write_engine,
+            backend=backend,
             redis=redis,
             redis_prefix=redis_prefix,
             max_batch_rows=max_batch_rows,
@@ -291,12 +216,10 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        await self._writer.close()
-        if self._pg_statements is not None:
-            await self._pg_statements.close()
+        await self._writer.close()  # its last batch first; the backend closes the connection under it
         if self._redis is not None:
             await self._redis.close()
-        await _dispose(self._engine, self._write_engine)
+        await self._backend.close()
 
     # ---- for other store modules (export/leasing, issue 4) ----
     @property
@@ -310,16 +233,10 @@ class Store:
         return self._write_engine
 
     @property
-    def sqlite_writer(self) -> SqliteBatchWriter | None:
-        """On SQLite, the group commit's own connection and thread (``run(fn)``: ``fn(sqlite3_conn)`` in one
-        write transaction, one hop off the event loop) for other hot-path writes; None on PostgreSQL."""
-        return self._sqlite_writer
-
-    @property
-    def postgres_statements(self) -> PostgresBatchWriter | None:
-        """On PostgreSQL, a connection of the store's own for one-statement writes on the request path
-        (``fetchrow(sql, *args)``, autocommit, callers take turns); None on SQLite."""
-        return self._pg_statements
+    def backend(self) -> Backend:
+        """The database backend (``gateway.store.backend``): for other store-side modules (the trajectory
+        queue, the staleness budget) that need its row locks or its one-statement admission."""
+        return self._backend
 
     @property
     def redis(self) -> Any | None:
@@ -362,7 +279,7 @@ class Store:
     def connection_slot(self) -> AbstractAsyncContextManager[None]:
         """Wait in arrival order for one of the pool's connections (PostgreSQL; see ``gateway.store.gate``)
         and hold it for the block: for modules using :attr:`engine` on a request's path."""
-        return self._gate.slot() if self._gate is not None else nullcontext()
+        return self._backend.slot()
 
     @asynccontextmanager
     async def _write_tx(self) -> AsyncIterator[AsyncConnection]:
@@ -455,8 +372,7 @@ class Store:
         row, api_key = _new_session_row(group_id=group_id, task_id=task_id, metadata=metadata)
         async with self._write_tx() as conn:
             query = sa.select(g).where(g.c.id == group_id)
-            if not self._is_sqlite:
-                query = query.with_for_update()
+            query = self._backend.lock(query)
             found = (await conn.execute(query)).mappings().first()
             current = group_from_row(found) if found is not None else None
             if current is not None and not current.sealed:
@@ -502,8 +418,7 @@ class Store:
         g = schema.groups
         async with self._write_tx() as conn:
             query = sa.select(g).where(g.c.id == group_id)
-            if not self._is_sqlite:
-                query = query.with_for_update()
+            query = self._backend.lock(query)
             found = (await conn.execute(query)).mappings().first()
             if found is None or found["status"] != "open":
                 return 0
@@ -558,14 +473,7 @@ class Store:
             if cached is not None:
                 self._remember(self._key_sessions, key_hash, cached.id)
                 return cached
-        if self._sqlite_writer is not None:
-            # every turn of a named session on SQLite reads its record here: on the writer's own sqlite3
-            # connection it costs one hop and a prepared SELECT instead of SQLAlchemy's Python and
-            # aiosqlite's thread (not cached in the process: another process may finish the session)
-            row = await self._sqlite_writer.read(lambda conn: _sqlite_session_row(conn, key_hash))
-        else:
-            async with self._read() as conn:
-                row = (await conn.execute(sa.select(schema.sessions).where(schema.sessions.c.key_hash == key_hash))).mappings().first()
+        row = await self._backend.session_row_by_key(key_hash)
         if row is None:
             raise NotFound("no session has this api key")
         record = session_from_row(row)
@@ -599,8 +507,7 @@ class Store:
         s = schema.sessions
         async with self._write_tx() as conn:
             query = sa.select(s).where(s.c.id == session_id)
-            if not self._is_sqlite:
-                query = query.with_for_update()
+            query = self._backend.lock(query)
             row = (await conn.execute(query)).mappings().first()
             if row is None:
                 raise NotFound(f"unknown session {session_id}")
@@ -633,8 +540,7 @@ class Store:
             now = time.time()
             async with self._write_tx() as conn:
                 query = sa.select(s).where(s.c.id.in_(part), s.c.status.in_(list(expected))).order_by(s.c.id)
-                if not self._is_sqlite:
-                    query = query.with_for_update()
+                query = self._backend.lock(query)
                 rows = (await conn.execute(query)).mappings().all()
                 if not rows:
                     continue
@@ -669,8 +575,7 @@ class Store:
         ids = list(dict.fromkeys(session_ids))
         async with self._write_tx() as conn:
             query = sa.select(s).where(s.c.id.in_(ids)).order_by(s.c.id)
-            if not self._is_sqlite:
-                query = query.with_for_update()
+            query = self._backend.lock(query)
             rows = {row["id"]: row for row in (await conn.execute(query)).mappings().all()}
             missing = [i for i in ids if i not in rows]
             if missing:
@@ -1085,8 +990,7 @@ class Store:
                 assert session_id is not None
                 target_session = session_id
             query = sa.select(s).where(s.c.id == target_session)
-            if not self._is_sqlite:
-                query = query.with_for_update()
+            query = self._backend.lock(query)
             row = (await conn.execute(query)).mappings().first()
             if row is None:
                 raise NotFound(f"unknown session {target_session}")
@@ -1154,29 +1058,6 @@ class Store:
         async with self._read() as conn:
             rows = (await conn.execute(query)).mappings().all()
         return [reward_from_row(row) for row in rows]
-
-
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    for pragma in SQLITE_PRAGMAS:
-        cursor.execute(pragma)
-    cursor.close()
-
-
-def _sqlite_pragmas_autobegin_off(dbapi_connection: Any, record: Any) -> None:
-    _sqlite_pragmas(dbapi_connection, record)
-    dbapi_connection.isolation_level = None  # we emit BEGIN IMMEDIATE ourselves
-
-
-def _sqlite_begin_immediate(conn: Any) -> None:
-    # take the write lock up front: a deferred transaction that reads, then writes, can fail with
-    # SQLITE_BUSY under WAL when another process wrote in between
-    conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-
-async def _dispose(*engines: AsyncEngine) -> None:
-    for engine in {id(e): e for e in engines}.values():
-        await engine.dispose()
 
 
 def _new_session_row(

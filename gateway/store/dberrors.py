@@ -1,8 +1,14 @@
-"""Translate SQLAlchemy/driver exceptions into the store's error tree where they enter the store."""
+"""Translate SQLAlchemy/driver exceptions into the store's error tree where they enter the store.
+
+One mapping per way into a database: :func:`translate` for what comes through SQLAlchemy (and the
+outage classes of any driver), :func:`postgres_error` for the store's own ``asyncpg`` connections and
+:func:`sqlite_error` for its own ``sqlite3`` connection; a backend (``gateway.store.backend``) says which
+applies to it (``Backend.translate``)."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -77,6 +83,41 @@ def translate(exc: BaseException) -> StoreError | None:
     failure = _driver_failure(exc)
     if failure is not None:
         return StoreUnavailable(f"database unreachable: {type(failure).__name__}: {failure}")
+    return None
+
+
+def postgres_error(exc: BaseException) -> StoreError | None:
+    """The store error for an exception of the PostgreSQL writer (as ``gateway.store.dberrors.translate``
+    maps the same errors coming through SQLAlchemy), or None for a bug."""
+    import asyncpg
+
+    if isinstance(exc, asyncpg.IntegrityConstraintViolationError):
+        return Conflict(f"the database refused the write: {exc}")
+    if isinstance(exc, asyncpg.DataError):
+        return InvalidValue(f"the database refused a value: {exc}")
+    # SQLSTATE classes of an unavailable server; asyncpg's client-side failures (InterfaceError,
+    # InternalClientError); OSError, timeouts
+    translated = translate(exc)
+    if translated is not None:
+        return translated
+    if isinstance(exc, (TypeError, ValueError, OverflowError)):  # incl. asyncpg's client-side DataError
+        return InvalidValue(f"a value could not be stored: {exc}")
+    return None
+
+
+def sqlite_error(exc: BaseException) -> StoreError | None:
+    """The store error for an exception of the SQLite writer (as ``gateway.store.dberrors.translate``
+    maps the same errors coming through SQLAlchemy), or None for a bug."""
+    if isinstance(exc, sqlite3.IntegrityError):
+        return Conflict(f"the database refused the write: {exc}")
+    if isinstance(exc, sqlite3.DataError):
+        return InvalidValue(f"the database refused a value: {exc}")
+    if isinstance(exc, sqlite3.ProgrammingError):
+        return None
+    if isinstance(exc, sqlite3.Error):
+        return StoreUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
+    if isinstance(exc, (TypeError, ValueError, OverflowError)):
+        return InvalidValue(f"a value could not be stored: {exc}")
     return None
 
 

@@ -1,5 +1,7 @@
-"""SQLAlchemy Core tables of the store, as created by Alembic revisions ``0001_initial`` and
-``0003_session_browse_indexes`` (browsing indexes), ``0004_groups`` and ``0005_lifecycle_indexes``.
+"""SQLAlchemy Core tables of the store, as created by Alembic revisions ``0001_initial``,
+``0002_trajectories`` (the trajectory queue and the staleness budget), ``0003_session_browse_indexes``
+(browsing indexes), ``0004_groups`` and ``0005_lifecycle_indexes``: one ``MetaData`` for every table the
+gateway's SQL touches.
 
 The migration, not ``metadata.create_all``, creates them; these definitions are what the queries use and
 must match the migration (a test compares them). Times are unix seconds (float); token arrays are packed
@@ -85,4 +87,53 @@ groups = sa.Table(
     sa.Column("metadata", sa.JSON, nullable=False, key="meta"),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Index("ix_session_groups_status_created", "status", "created_at"),  # 0005: open groups per tick
+)
+
+# The trajectory queue without Redis (``gateway.queue.SqlQueue``) and its leases. Alembic ``0002_trajectories``.
+trajectory_queue = sa.Table(
+    "trajectory_queue",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("group_key", sa.String(64), nullable=False, unique=True),
+    sa.Column("group_id", sa.String(255), nullable=False),
+    sa.Column("session_ids", sa.JSON, nullable=False),
+    sa.Column("payload", sa.LargeBinary, nullable=False),
+    sa.Column("n_rows", sa.Integer, nullable=False),
+    sa.Column("n_tokens", sa.Integer, nullable=False),
+    sa.Column("min_version", sa.Integer, nullable=False),
+    sa.Column("complete", sa.Boolean, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),  # ready | leased | held
+    sa.Column("lease_id", sa.String(64), nullable=True),
+    sa.Column("lease_deadline", sa.Float, nullable=True),
+    sa.Column("deliveries", sa.Integer, nullable=False),
+    sa.Column("held_at", sa.Float, nullable=True),
+    sa.Index("ix_trajectory_queue_status_id", "status", "id"),
+    sa.Index("ix_trajectory_queue_lease_id", "lease_id"),
+)
+
+trajectory_leases = sa.Table(
+    "trajectory_leases",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("deadline", sa.Float, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),  # open | acked | expired
+    sa.Column("n_groups", sa.Integer, nullable=False),
+    sa.Column("acked_at", sa.Float, nullable=True),
+    sa.Index("ix_trajectory_leases_status", "status", "deadline"),
+)
+
+# The staleness budget (``gateway.staleness``): one row, id 1. Alembic ``0002_trajectories``.
+trainer_state = sa.Table(
+    "trainer_state",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("version", sa.Integer, nullable=False),
+    sa.Column("batch_size", sa.Integer, nullable=False),
+    sa.Column("staleness_bound", sa.Integer, nullable=False),
+    sa.Column("group_size", sa.Integer, nullable=False),
+    sa.Column("base_version", sa.Integer, nullable=False),
+    sa.Column("admitted", sa.Integer, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
 )

@@ -44,6 +44,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from gateway.store import schema
+from gateway.store.dberrors import postgres_error, sqlite_error
 from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreError, StoreUnavailable
 from gateway.store.records import CommitStats, Interaction
 
@@ -130,8 +131,7 @@ class GroupCommitWriter:
         """Write what is queued, then stop."""
         self._closing = True
         self._wake.set()
-        await self._task
-        await self._direct.close()
+        await self._task  # the connection is its backend's to close (gateway.store.backend)
 
     def _take_batch(self) -> list[_Job]:
         batch: list[_Job] = []
@@ -305,7 +305,7 @@ class SqliteBatchWriter:
         try:
             return fn(self._connection())
         except sqlite3.Error as exc:
-            translated = _sqlite_error(exc)
+            translated = sqlite_error(exc)
             if translated is None:  # a bug (ProgrammingError): as it is
                 raise
             raise translated from exc
@@ -315,7 +315,7 @@ class SqliteBatchWriter:
             conn = self._connection()
             conn.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            raise _sqlite_error(exc) from exc
+            raise sqlite_error(exc) from exc
         try:
             result = fn(conn)
             conn.execute("COMMIT")
@@ -327,7 +327,7 @@ class SqliteBatchWriter:
                     log.exception("SQLite writer: rollback failed")
             if isinstance(exc, (sqlite3.Error, TypeError, ValueError, OverflowError)) and not isinstance(
                     exc, StoreError):
-                translated = _sqlite_error(exc)
+                translated = sqlite_error(exc)
                 if translated is not None:
                     raise translated from exc
             raise
@@ -442,7 +442,7 @@ class PostgresBatchWriter:
         except Exception as exc:
             if isinstance(exc, StoreError):
                 raise
-            error = _postgres_error(exc)
+            error = postgres_error(exc)
             if error is None and (self._conn is None or self._conn.is_closed()):
                 # whatever was raised, the connection is gone: an outage, not a bug in this batch
                 error = StoreUnavailable(f"database unavailable: connection lost: {type(exc).__name__}: {exc}")
@@ -467,27 +467,6 @@ class PostgresBatchWriter:
                 await conn.close(timeout=5)
             except Exception:  # noqa: BLE001 - closing a broken connection
                 conn.terminate()
-
-
-def _postgres_error(exc: BaseException) -> StoreError | None:
-    """The store error for an exception of the PostgreSQL writer (as ``gateway.store.dberrors.translate``
-    maps the same errors coming through SQLAlchemy), or None for a bug."""
-    import asyncpg
-
-    from gateway.store.dberrors import translate
-
-    if isinstance(exc, asyncpg.IntegrityConstraintViolationError):
-        return Conflict(f"the database refused the write: {exc}")
-    if isinstance(exc, asyncpg.DataError):
-        return InvalidValue(f"the database refused a value: {exc}")
-    # SQLSTATE classes of an unavailable server; asyncpg's client-side failures (InterfaceError,
-    # InternalClientError); OSError, timeouts
-    translated = translate(exc)
-    if translated is not None:
-        return translated
-    if isinstance(exc, (TypeError, ValueError, OverflowError)):  # incl. asyncpg's client-side DataError
-        return InvalidValue(f"a value could not be stored: {exc}")
-    return None
 
 
 def _insert(table: sa.Table, mark: Callable[[int, sa.Column[Any]], str], source: str = "VALUES ({})"
@@ -617,22 +596,6 @@ def _checked(batch: list[_Job], status: dict[str, str], known: dict[str, str]
         for it in job.interactions:
             known[it.id] = it.session_id
     return failed, ok
-
-
-def _sqlite_error(exc: BaseException) -> StoreError | None:
-    """The store error for an exception of the SQLite writer (as ``gateway.store.dberrors.translate``
-    maps the same errors coming through SQLAlchemy), or None for a bug."""
-    if isinstance(exc, sqlite3.IntegrityError):
-        return Conflict(f"the database refused the write: {exc}")
-    if isinstance(exc, sqlite3.DataError):
-        return InvalidValue(f"the database refused a value: {exc}")
-    if isinstance(exc, sqlite3.ProgrammingError):
-        return None
-    if isinstance(exc, sqlite3.Error):
-        return StoreUnavailable(f"database unavailable: {type(exc).__name__}: {exc}")
-    if isinstance(exc, (TypeError, ValueError, OverflowError)):
-        return InvalidValue(f"a value could not be stored: {exc}")
-    return None
 
 
 _INSERT_SESSION = _insert(schema.sessions, lambda *_: "?")

@@ -7,14 +7,13 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from agentrl.trajectory import decode_batch, encode_batch, export_concat, merge_batches, Turn
 from gateway import errors
 from gateway.queue import QueuedGroup, RedisQueue, SqlQueue, lease_meta
 from gateway.staleness import StalenessControl
+from gateway.store.backend import open_backend
 from gateway.store.errors import StoreUnavailable
-from gateway.store.migrate import upgrade
 from tests.conftest import REDIS_URL
 
 
@@ -62,17 +61,16 @@ def stream_prefix(backend, request):
 
 
 @pytest.fixture
-async def engine(db_url):
-    await upgrade(db_url)
-    engine = create_async_engine(db_url)
-    yield engine
-    await engine.dispose()
+async def db(db_url):
+    opened = await open_backend(db_url)  # migrated
+    yield opened
+    await opened.close()
 
 
 @pytest.fixture
-async def queue(engine, stream_prefix):
+async def queue(db, stream_prefix):
     if stream_prefix is None:
-        yield SqlQueue(engine, lease_timeout_s=LONG_LEASE_S)
+        yield SqlQueue(db, lease_timeout_s=LONG_LEASE_S)
         return
     client = aioredis.Redis.from_url(REDIS_URL, decode_responses=False)
     yield RedisQueue(client, prefix=stream_prefix, lease_timeout_s=LONG_LEASE_S)
@@ -176,41 +174,22 @@ async def test_concurrent_leases_never_share_a_group(queue):
     assert sorted(keys) == [f"g{i:02d}" for i in range(20)]
 
 
-async def test_staleness_admission(engine):
-    await _admission_checks(StalenessControl(engine, default_group_size=2, retry_after_s=3))
-
-
-async def test_staleness_admission_in_the_sqlite_writer_thread(tmp_path):
-    """On SQLite, admit/release run on the store's group-commit connection (one thread hop): same rules."""
-    from gateway.store.writer import SqliteBatchWriter
-
-    url = f"sqlite+aiosqlite:///{tmp_path}/q.db"
-    await upgrade(url)
-    engine = create_async_engine(url)
-    writer = SqliteBatchWriter(str(tmp_path / "q.db"))
-    try:
-        control = StalenessControl(engine, default_group_size=2, retry_after_s=3, sqlite_writer=writer)
-        await _admission_checks(control)
-        await _cancelled_admission_gives_back(control)
-    finally:
-        await writer.close()
-        await engine.dispose()
+async def test_staleness_admission(db):
+    """Admission is the backend's one statement (SQLite: in the store's writer thread; PostgreSQL: on the
+    store's own asyncpg connection): the same rules, and a cancelled caller's charge is given back."""
+    control = StalenessControl(db, default_group_size=2, retry_after_s=3)
+    await _admission_checks(control)
+    await _cancelled_admission_gives_back(control)
 
 
 @pytest.mark.services
-async def test_staleness_admission_on_the_stores_own_postgres_connection(pg_url):
-    """On PostgreSQL, admit runs on the store's own asyncpg connection (not SQLAlchemy's pool): same rules,
-    the same give-back when the caller is cancelled, and a lost connection is a 503 that the next
-    admission recovers from."""
-    from gateway.store.writer import PostgresBatchWriter
-
-    await upgrade(pg_url)
-    engine = create_async_engine(pg_url)
-    statements = PostgresBatchWriter.for_engine(engine)
+async def test_staleness_admission_recovers_from_a_lost_postgres_connection(pg_url):
+    """On PostgreSQL, a lost connection of the store's own is a 503 that the next admission recovers from."""
+    db = await open_backend(pg_url)
+    statements = db.statements
     try:
-        control = StalenessControl(engine, default_group_size=2, retry_after_s=3, postgres_statements=statements)
-        await _admission_checks(control)
-        await _cancelled_admission_gives_back(control)
+        control = StalenessControl(db, default_group_size=2, retry_after_s=3)
+        await control.configure(version=0, batch_size=100, staleness_bound=1)
         # the server ends the connection in the middle of a statement (a restart, say): a 503, deterministic
         # (ending it from another connection races with the client noticing, which then reconnects silently)
         with pytest.raises(StoreUnavailable, match="connection"):
@@ -223,8 +202,7 @@ async def test_staleness_admission_on_the_stores_own_postgres_connection(pg_url)
         statements._kwargs = good  # ... and the next one, once it can, connects again
         assert await control.admit() == 1 and (await control.state()).admitted == before + 1
     finally:
-        await statements.close()
-        await engine.dispose()
+        await db.close()
 
 
 async def _cancelled_admission_gives_back(control: StalenessControl) -> None:

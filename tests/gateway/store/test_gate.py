@@ -76,13 +76,13 @@ async def test_more_concurrent_reads_than_pool_connections_wait_instead_of_faili
                 return (await conn.execute(sa.text("SELECT 1 FROM pg_sleep(0.05)"))).scalar_one()
 
         assert await asyncio.gather(*(read() for _ in range(150))) == [1] * 150
-        gate = store._gate  # noqa: SLF001
+        gate = store.backend.gate
         assert gate is not None and gate.max_waited > 100 and gate.refused == 0
 
-        store._gate = None  # noqa: SLF001 - the same without the gate
+        store.backend.gate = None  # the same without the gate
         results = await asyncio.gather(*(read() for _ in range(150)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         assert failed and all(isinstance(r, StoreUnavailable) and "QueuePool limit" in str(r) for r in failed)
-        store._gate = gate  # noqa: SLF001
+        store.backend.gate = gate
     finally:
         await store.close()

@@ -206,7 +206,7 @@ async def test_sqlite_writer_run_after_close_fails_instead_of_hanging(tmp_path, 
 
     shutil.copy(sqlite_template, tmp_path / "store.db")
     store = await Store.open(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}", migrate=False)
-    writer = store.sqlite_writer
+    writer = store.backend.writer
     assert writer is not None
     assert await writer.run(lambda conn: 1) == 1
     queued = asyncio.ensure_future(writer.run(lambda conn: conn.execute("SELECT 2").fetchone()[0]))
