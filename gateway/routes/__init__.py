@@ -22,6 +22,7 @@ ROUTER_MODULES: list[str] = [
     "gateway.routes.health",
     "gateway.routes.trajectories",
     "gateway.routes.ui",
+    "gateway.episodes.routes",  # an episode's threads and edges (issue 33)
 ]
 
 SESSION_PREFIX = "/sessions/{session_id}"  # the same OpenAI routes, bound to one session by URL

@@ -258,3 +258,21 @@ async def test_an_unlinkable_subagent_is_recorded_counted_and_shown(episode_gw: 
         assert "no pending spawn call" in sub.detail["reason"]
         metrics = (await gw.http.get("/metrics")).text
         assert 'edge="spawned_by",outcome="unlinked"} 1.0' in metrics
+
+
+async def test_the_threads_of_a_session_are_shown(episode_gw: Any) -> None:
+    rows = load("B2_claude_autocompact_env_window.jsonl")
+    async with episode_gw(scripted_replies(rows)) as gw:
+        player = await replay(gw, rows)
+        sid, turns, threads = await episode(gw, player.answers)
+        shown = await gw.admin("GET", f"/v1/sessions/{sid}/threads")
+        assert [(t["thread"], t["edge"], t["status"]) for t in shown["threads"]] == \
+            [("main", None, "root"), ("main", "compacted_from", "confirmed")]
+        assert shown["unlinked"] == 0 and set(shown["turns"]) == {t.id for t in turns}
+        assert {v["role"] for v in shown["turns"].values()} == {"turn", "summarizer"}
+        # the agent key that made the episode may read it; another session's key may not
+        resp = await gw.http.get(f"/v1/sessions/{sid}/threads", headers={"Authorization": f"Bearer {AGENT}"})
+        assert resp.status_code == 200
+        other = await gw.admin("POST", "/v1/sessions", {})
+        resp = await gw.http.get(f"/v1/sessions/{sid}/threads", headers={"Authorization": f"Bearer {other['api_key']}"})
+        assert resp.status_code in (403, 404)
