@@ -270,7 +270,8 @@ class GenerationService:
         ``encode_batch`` releases the interpreter lock), where building the ids of a 7.9 MB prompt (3.2 M
         tokens) as Python lists held the lock for ~105 ms and so stalled the event loop (issue 36). The
         margin keeps a prompt stitched from its parent's tokens (which may differ from the rendering by a
-        few tokens) out of this shortcut; it is checked exactly once built."""
+        few tokens, as may the count's cuts, ``_count_tokens``) out of this shortcut; it is checked exactly once
+        built."""
         count = await _off_loop(_count_tokens, self.svc.template, self.svc.tokenizer, messages, tools or None,
                                 chars=chars)
         ctx = self.svc.context_length
@@ -721,13 +722,32 @@ OFF_LOOP_CHARS = 1_000_000
 TOKEN_COUNT_MARGIN = 1024
 
 
+_COUNT_SLICE_CHARS = 1 << 18
+
+
 def _count_tokens(template: Any, tokenizer: Any, messages: Any, tools: Any) -> int | None:
     """Tokens of the conversation's rendering (with the generation prompt), counted by a fast tokenizer's
-    Rust side without building Python lists; None for a tokenizer without one. On the tokenize thread."""
+    Rust side without building Python lists; None for a tokenizer without one. On the tokenize thread.
+
+    Counted a slice of ~256K characters at a time (cut at a space), each slice's encoding freed before the
+    next: the encoding is freed with the interpreter lock held, and the one of a whole 7.9 MB prompt (3.2 M
+    tokens) took ~100-250 ms to free. Cutting may move a few tokens at each cut; the caller's margin holds
+    that. ``encode_batch_fast`` (tokenizers >= 0.20) skips the offsets, which nobody reads here."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    return len(backend.encode_batch([template.render_text(messages, tools)], add_special_tokens=False)[0])
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    text = template.render_text(messages, tools)
+    count = start = 0
+    while start < len(text):
+        end = len(text)
+        if start + _COUNT_SLICE_CHARS < end:
+            end = text.rfind(" ", start + 1, start + _COUNT_SLICE_CHARS)
+            if end <= start:
+                end = start + _COUNT_SLICE_CHARS
+        count += len(encode([text[start:end]], add_special_tokens=False)[0])
+        start = end
+    return count
 
 
 async def _off_loop(fn: Callable[..., T], *args: Any, chars: int | None = None) -> T:

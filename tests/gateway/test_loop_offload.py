@@ -95,3 +95,13 @@ async def test_a_large_request_is_parsed_hashed_and_refused_off_the_event_loop(
         resp = await gw.post("/v1/chat/completions", {"model": "m", "max_tokens": 2,
                                                       "messages": [{"role": "user", "content": "hi"}]})
         assert resp.status_code == 200 and calls["hash"][before:] == [loop_thread]
+
+
+def test_the_sliced_token_count_is_within_its_margin_of_the_exact_count(tokenizer: Any) -> None:
+    from gateway.chat.template import ChatTemplate
+
+    template = ChatTemplate(tokenizer)
+    messages = [{"role": "user", "content": _words(3 * service._COUNT_SLICE_CHARS + 1000)}]
+    exact = len(template.render(messages))
+    counted = service._count_tokens(template, tokenizer, messages, None)
+    assert counted is not None and abs(counted - exact) <= 8 < service.TOKEN_COUNT_MARGIN, (counted, exact)
