@@ -18,6 +18,13 @@ from tests.conftest import REDIS_URL, free_port
 pytestmark = pytest.mark.services
 
 
+async def blocked_in_blpop(ref: aioredis.Redis, client_id: int) -> None:
+    """Wait until the connection ``client_id`` is blocked in its BLPOP at the server (a hang guard bounds it)."""
+    async with asyncio.timeout(120):
+        while b"cmd=blpop" not in await ref.execute_command("CLIENT", "LIST", "ID", client_id):
+            await asyncio.sleep(0.005)
+
+
 @pytest.fixture
 async def clients(redis_prefix: str):
     lean, ref = LeanRedis.from_url(REDIS_URL), aioredis.Redis.from_url(REDIS_URL)
@@ -106,12 +113,16 @@ async def test_a_cancelled_caller_does_not_shift_the_replies(clients) -> None:
     await ref.set(p + "a", "A")
     await ref.set(p + "b", "B")
     await ref.rpush(p + "list", "x")
-    slow = asyncio.ensure_future(lean.execute_command("BLPOP", p + "empty", 0.3))  # answers after 0.3 s
-    await asyncio.sleep(0.05)
+    my_id = await lean.execute_command("CLIENT", "ID")
+    slow = asyncio.ensure_future(lean.execute_command("BLPOP", p + "empty", 0))  # answers once "empty" gets one
+    await blocked_in_blpop(ref, my_id)  # in flight at the server
     slow.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await slow
-    assert await lean.get(p + "a") == b"A"
+    a = asyncio.ensure_future(lean.get(p + "a"))  # queued behind the BLPOP on the connection
+    await asyncio.sleep(0)
+    await ref.rpush(p + "empty", "late")  # the BLPOP answers now: a reply nobody waits for any more
+    assert await a == b"A"
     assert await lean.get(p + "b") == b"B"
     assert lean.connections == 1
 
@@ -121,11 +132,11 @@ async def test_a_lost_connection_fails_its_waiters_and_the_next_command_reconnec
     await ref.set(p + "k", "v")
     assert await lean.get(p + "k") == b"v"
     my_id = await lean.execute_command("CLIENT", "ID")
-    waiting = asyncio.ensure_future(lean.execute_command("BLPOP", p + "empty", 5))
-    await asyncio.sleep(0.05)
+    waiting = asyncio.ensure_future(lean.execute_command("BLPOP", p + "empty", 0))
+    await blocked_in_blpop(ref, my_id)  # waiting at the server when its connection goes
     assert await ref.client_kill_filter(_id=my_id) == 1
     with pytest.raises(ConnectionError):
-        await asyncio.wait_for(waiting, 5)
+        await asyncio.wait_for(waiting, 120)  # a hang guard
     assert await lean.get(p + "k") == b"v"
     assert lean.connections == 2
 
