@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 
 import asyncpg
@@ -115,7 +116,8 @@ async def test_a_parent_committed_while_the_statement_waits_is_found(pg_store: S
 async def _until_waiting_on_a_lock(observer: asyncpg.Connection) -> None:
     """Until some other backend of this database waits on a lock (the writer's statement). ``observer``
     must not be inside a transaction: there, pg_stat_activity keeps what it showed first."""
-    for _ in range(300):
+    deadline = time.monotonic() + 120  # a hang guard (was 300 polls: about 3 s on a quiet machine)
+    while time.monotonic() < deadline:
         waiting = await observer.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
             "AND wait_event_type = 'Lock'")
