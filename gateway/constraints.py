@@ -8,7 +8,7 @@ recorded.
 
 Grammars (:func:`grammar_of`, checked by :func:`check_grammar`) are sent as SGLang's native sampling
 parameters (the embedded engine implements them, ``engine/grammar.py``; vLLM gets its
-``structured_outputs``, ``gateway/engines/vllm.py``):
+``structured_outputs``, ``engines/vllm.py``):
 
 | request | engine constraint |
 |---|---|

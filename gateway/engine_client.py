@@ -1,22 +1,18 @@
-"""The SGLang-native engine client (:class:`EngineClient`, one per URL) and the :class:`EngineRouter` over engines.
+"""The :class:`EngineRouter` over engines: routing, health, and generation held across weight pushes.
 
-The router speaks the engine protocol of :mod:`gateway.engines` (:class:`~gateway.engines.Engine`), so it
-routes over SGLang-native engines (SGLang, the embedded engine) and vLLM servers
-(:class:`gateway.engines.vllm.VLLMClient`) alike.
-
-The wire shapes are those of ``docs/sglang-protocol.md`` (``POST /generate`` token in / token out with
-logprobs; pause/continue; weight updates; health). Every client takes an injected ``httpx.AsyncClient`` so
-that tests put a ``MockTransport`` at the protocol boundary. httpx errors are translated here, where they
-enter the gateway: connection problems become :class:`EngineUnavailable`, a 400 from the engine (or an
-error event in its stream, SGLang's way of refusing a streamed request) becomes :class:`InvalidRequest`
-with the engine's message, anything else :class:`EngineError`.
+The router speaks the engine protocol of :mod:`engines.base` (:class:`~engines.base.Engine`), so it routes
+over SGLang-native engines (SGLang, the embedded engine) and vLLM servers alike; each kind's client is in
+:mod:`engines` and is bound to the gateway's errors and transports by :mod:`gateway.engines`
+(:class:`~gateway.engines.EngineClient` is the SGLang-native one).
 
 The router keeps several engines in rotation: least in-flight requests first, with session affinity (a
 session sticks to the engine that served it, so that its prefix cache stays warm), periodic health
-checks (a dead engine leaves the rotation and comes back when ``/health`` answers 200 again). It also
-owns generation across weight updates: ``pause`` aborts in-flight generations on the engines; the router
-holds each aborted request, and on ``resume`` re-sends it as prompt + partial output, so the caller sees
-one uninterrupted generation whose tokens carry the weight version of the segment that produced them.
+checks (a dead engine leaves the rotation and comes back when ``/health`` answers 200 again). An engine that
+is alive but busy (its probe timed out: loading weights, say) is waited for, bounded, rather than refused;
+an engine this router paused for a weight push stays in rotation while it loads. The router also owns
+generation across weight updates: ``pause`` aborts in-flight generations on the engines; the router holds
+each aborted request, and on ``resume`` re-sends it as prompt + partial output, so the caller sees one
+uninterrupted generation whose tokens carry the weight version of the segment that produced them.
 """
 
 from __future__ import annotations
@@ -24,93 +20,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-import httpx
-
-from engines.sglang import SGLangDialect, dialect_from
-from gateway import jsonio
-from gateway.fasthttp import FastHTTP, HTTPFailure, lines, supported
+from engines.base import Engine, EngineOutput, SamplingParams, engine_error, span_versions
+from engines.sglang import parse_output as parse_sglang_output
+from gateway.engines import GATEWAY_ERRORS, EngineClient
+from gateway.errors import EngineError, EngineUnavailable
 from gateway.sizedlru import CacheSize
-from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, GatewayError, InvalidRequest
 
-if TYPE_CHECKING:
-    from gateway.engines import Engine, EngineInfo
+__all__ = ["EngineClient", "EngineOutput", "EngineRouter", "EngineState", "Generation", "SamplingParams",
+           "parse_output", "span_versions"]
 
 log = logging.getLogger("agentrl.gateway.engine")
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    """What the gateway asks of one generation (converted to SGLang ``sampling_params``)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # off
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: int = 0
-    penalties: dict[str, Any] = field(default_factory=dict)  # SGLang names (gateway.constraints.penalties)
-    grammar: dict[str, str] = field(default_factory=dict)  # one SGLang grammar key (gateway.constraints.Grammar)
-
-    def continued(self, generated: int) -> "SamplingParams":
-        """The parameters of a segment that continues after ``generated`` tokens (a pause or a lost engine):
-        ``min_new_tokens`` asks only for what is still owed (engines refuse a minimum above the new maximum)."""
-        owed = self.penalties.get("min_new_tokens")
-        if not generated or not owed:
-            return self
-        penalties = dict(self.penalties)
-        if owed > generated:
-            penalties["min_new_tokens"] = owed - generated
-        else:
-            del penalties["min_new_tokens"]
-        return replace(self, penalties=penalties)
-
-    def to_wire(self, max_new_tokens: int) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "skip_special_tokens": False,
-        }
-        if self.top_k > 0:
-            params["top_k"] = self.top_k
-        if self.seed is not None:
-            params["sampling_seed"] = self.seed
-        if self.stop:
-            params["stop"] = list(self.stop)
-        if self.stop_token_ids:
-            params["stop_token_ids"] = list(self.stop_token_ids)
-        params.update(self.penalties)
-        params.update(self.grammar)
-        return params
-
-
-@dataclass(slots=True)
-class EngineOutput:
-    """The cumulative state of one ``/generate`` call (SGLang streams cumulative chunks by default)."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish: str | None  # "stop" | "length" | "abort" | None while running
-    matched: int | str | None
-    weight_version: int | None
-    prompt_tokens: int
-    abort_status: int | None = None  # SGLang's refusal inside a stream: finish_reason.status_code
-    abort_message: str | None = None
-    # the weight version of each output token, from the finished output's ``weight_versions`` spans
-    # (SGLang 0.5.19, vLLM 0.32); None where the engine sent none (intermediate chunks) or "default"
-    versions: list[int] | None = None
-    # the output position the lists start at: a cumulative stream chunk is parsed only past what the
-    # chunks before it held (``parse_output(body, known)``), so per chunk the work is its new tokens
-    start: int = 0
+def parse_output(body: dict[str, Any], known: int = 0) -> EngineOutput:
+    """One SGLang ``/generate`` answer (or stream chunk), its errors the gateway's."""
+    return parse_sglang_output(body, known, GATEWAY_ERRORS)
 
 
 @dataclass(slots=True)
@@ -125,401 +54,6 @@ class Generation:
     matched: int | str | None = None
     segments: int = 0
     engine_url: str = ""
-
-
-def _parse_version(raw: object) -> int | None:
-    try:
-        return int(str(raw))
-    except (TypeError, ValueError):
-        return None  # SGLang's default version is the string "default"
-
-
-def span_versions(spans: object, n: int) -> list[int] | None:
-    """Per-token versions from ``weight_versions`` spans ``[{"version", "start", "end"}, ...]`` (SGLang 0.5.19
-    ``utils/weight_versions.py``; vLLM 0.32 the same shape) over ``n`` output tokens; None when absent, when
-    a version is not an integer (``"default"``) or when the spans do not cover the tokens exactly."""
-    if not isinstance(spans, list) or not spans:
-        return None
-    out: list[int] = []
-    for span in spans:
-        version = _parse_version(span.get("version")) if isinstance(span, dict) else None
-        start, end = (span.get("start"), span.get("end")) if isinstance(span, dict) else (None, None)
-        if version is None or start != len(out) or not isinstance(end, int) or end < start:
-            return None
-        out.extend([version] * (end - start))
-    return out if len(out) == n else None
-
-
-def parse_output(body: dict[str, Any], known: int = 0) -> EngineOutput:
-    """One SGLang ``/generate`` response (or cumulative stream chunk) as an :class:`EngineOutput`.
-
-    ``known``: output tokens the stream's earlier chunks held; a chunk that still holds them (SGLang's
-    cumulative streams) is read from there on (``start`` = ``known``), else whole (``start`` = 0)."""
-    if "error" in body:
-        err = body["error"]
-        raise EngineError(f"engine error: {err.get('message', err) if isinstance(err, dict) else err}")
-    meta = body.get("meta_info") or {}
-    raw_ids = body.get("output_ids") or []
-    raw_entries = meta.get("output_token_logprobs") or []
-    spans = meta.get("weight_versions")
-    start = known if 0 < known <= len(raw_ids) == len(raw_entries) and not spans else 0
-    ids = [int(t) for t in raw_ids[start:]]
-    entries = raw_entries[start:]
-    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in entries]
-    if len(logprobs) != len(ids):
-        # SGLang 0.5.19 answers a streamed request aborted while in its waiting queue (e.g. retracted by a
-        # `retract` pause, then aborted) with output_ids=[last token] but the cumulative logprobs and
-        # completion_tokens (TokenizerManager._handle_abort_req); each logprob entry names its token, so the
-        # ids are recovered from the entries when the ids sent are their tail.
-        entry_ids = [int(e[1]) for e in entries if len(e) > 1 and e[1] is not None]
-        if len(entry_ids) == len(entries) and len(ids) < len(entry_ids) and entry_ids[len(entry_ids) - len(ids):] == ids:
-            ids = entry_ids
-        else:
-            raise EngineError(
-                f"engine returned {len(ids)} output ids but {len(logprobs)} logprobs; is return_logprob honoured?")
-    top = meta.get("output_top_logprobs")
-    top_parsed = None
-    if top is not None:
-        top_parsed = [[(int(t[1]), float(t[0])) for t in (row or [])] for row in top[start:]]
-    reason = meta.get("finish_reason")
-    finish, matched, status, message = None, None, None, None
-    if isinstance(reason, dict):
-        finish, matched = reason.get("type"), reason.get("matched")
-        if finish == "abort":  # FINISH_ABORT: a refusal carries status_code (400, 500, 503), a pause none
-            code = reason.get("status_code")
-            status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else None
-            message = str(reason.get("message") or "aborted")
-    elif isinstance(reason, str):
-        finish = reason
-    return EngineOutput(ids, logprobs, top_parsed, finish, matched,
-                        _parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0),
-                        status, message, span_versions(spans, len(ids)), start)
-
-
-def engine_error(base_url: str, status: int, message: str) -> GatewayError:
-    """The gateway error for an engine error of this HTTP status (a response, an error event, or an abort
-    chunk's ``status_code``)."""
-    if status == 400:
-        if "context" in message.lower() or "too long" in message.lower():
-            return ContextLengthExceeded(f"the engine rejected the prompt: {message}", param="messages")
-        return InvalidRequest(f"the engine rejected the request: {message}")
-    if status == 503:
-        return EngineUnavailable(f"engine {base_url} unavailable: {message}")
-    return EngineError(f"engine {base_url} answered {status}: {message}")
-
-
-def _error_message(resp: httpx.Response) -> str:
-    return error_text(resp.content, resp.reason_phrase)
-
-
-def error_text(content: bytes, reason: str = "") -> str:
-    """The message of an engine's error response body (JSON ``error.message`` / ``message``, else text)."""
-    try:
-        body = jsonio.loads(content)
-    except ValueError:
-        return content.decode("utf-8", "replace")[:500] or reason
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "message" in body:
-            return str(body["message"])
-    return str(body)[:500]
-
-
-async def _drain(chunks: AsyncIterator[Any], within_s: float = 1.0) -> None:
-    """Read what is left of a response (normally only its end), so that its connection can be reused; one
-    that does not end within ``within_s`` is closed instead (by the caller's ``aclose``)."""
-    try:
-        async with asyncio.timeout(within_s):
-            async for _ in chunks:
-                pass
-    except (TimeoutError, HTTPFailure):  # the generation is complete either way
-        pass
-
-
-_JSON = {"content-type": "application/json"}
-SSE_DONE = object()  # what :func:`sse_json` yields for the stream's ``data: [DONE]`` line
-
-
-async def sse_json(resp: httpx.Response | AsyncIterator[str], malformed: str) -> AsyncIterator[Any]:
-    """The JSON payloads of an engine's SSE stream (``data:`` lines of a response, or of its lines), then
-    :data:`SSE_DONE` if the engine ended it with ``[DONE]``; a payload that is not JSON raises
-    EngineError(``malformed``)."""
-    async for line in (resp.aiter_lines() if isinstance(resp, httpx.Response) else resp):
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            yield SSE_DONE
-            return
-        try:
-            yield jsonio.loads(data)
-        except ValueError as exc:
-            raise EngineError(malformed) from exc
-
-
-class EngineClient:
-    """One SGLang-native engine at ``base_url``, spoken to through the injected ``http`` client."""
-
-    kind = "sglang"
-
-    def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0,
-                 fast: FastHTTP | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.http = http
-        self.timeout = httpx.Timeout(timeout_s, connect=5.0)
-        self.timeout_s = timeout_s
-        # /generate (streamed or not) goes through the lean client when given one (the app's own, not an
-        # injected httpx client) and it can reach the URL; everything else through ``http``
-        self.fast = fast if fast is not None and supported(self.base_url) else None
-        # what this server's release speaks (info routes, weight-update sessions), learned by describe();
-        # until then the routes every SGLang-native server answers (the embedded engine has only these)
-        self.dialect = SGLangDialect()
-
-    def _translate(self, exc: httpx.HTTPError | HTTPFailure) -> EngineUnavailable:
-        name = f"HTTP {exc.kind}" if isinstance(exc, HTTPFailure) else type(exc).__name__
-        return EngineUnavailable(f"engine {self.base_url} unreachable: {name}: {exc}")
-
-    def error(self, status: int, message: str) -> GatewayError:
-        return engine_error(self.base_url, status, message)
-
-    def _check(self, resp: httpx.Response) -> None:
-        if resp.status_code >= 400:
-            raise self.error(resp.status_code, _error_message(resp))
-
-    def _stream_error(self, err: object) -> GatewayError:
-        """An error event in a stream (SGLang: a request it refuses once the stream has begun, e.g. a
-        prompt longer than the context). It carries no status, or (newer releases) ``code``; without one
-        it is the refusal a non-streamed request gets as a 400."""
-        if not isinstance(err, dict):
-            return self.error(400, str(err))
-        code = err.get("code")
-        status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 400
-        return self.error(status, str(err.get("message", err)))
-
-    async def _post(self, path: str, body: dict[str, Any], timeout: float | None = None) -> httpx.Response:
-        try:
-            resp = await self.http.post(self.base_url + path, content=jsonio.dumps(body), headers=_JSON,
-                                        timeout=self.timeout if timeout is None else timeout)
-        except httpx.HTTPError as exc:
-            raise self._translate(exc) from exc
-        self._check(resp)
-        return resp
-
-    async def _get(self, path: str, timeout: float = 10.0) -> httpx.Response:
-        try:
-            resp = await self.http.get(self.base_url + path, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise self._translate(exc) from exc
-        self._check(resp)
-        return resp
-
-    @staticmethod
-    def _body(input_ids: list[int], params: SamplingParams, max_new_tokens: int, stream: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "rid": uuid.uuid4().hex,  # our own request id, so that the request can be aborted by it
-            "input_ids": input_ids,
-            "sampling_params": params.to_wire(max_new_tokens),
-            "return_logprob": True,
-            "stream": stream,
-        }
-        if params.top_logprobs:
-            body["top_logprobs_num"] = params.top_logprobs
-        return body
-
-    async def _abort(self, request_id: str) -> None:
-        """Abort one request (SGLang 0.5.19 ``AbortReq``: ``rid``; the embedded engine speaks it too)."""
-        await self._post("/abort_request", {"rid": request_id}, timeout=30.0)
-
-    async def _abort_unless(self, done: bool, request_id: str) -> None:
-        """Abort ``request_id`` on the engine when its reader stopped before the end (the agent went away,
-        or the turn failed elsewhere).
-
-        An engine aborts a request whose HTTP connection closes, but a cancelled reader does not reliably
-        close it: Starlette cancels the gateway's turn inside a cancel scope that also cancels httpx's close
-        of the engine connection, so the socket stayed open and the engine generated to ``max_tokens``
-        (seen live with vLLM and SGLang). The abort is sent from its own task, which that cancellation does
-        not reach."""
-        if done:
-            return
-        task = asyncio.ensure_future(self._abort(request_id))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if nobody waits
-        try:
-            await asyncio.shield(task)
-        except GatewayError as exc:  # the engine is gone or refuses: the error that ended the reader stands
-            log.info("abort of %s on %s failed: %s", request_id, self.base_url, exc)
-
-    async def _generate_fast(self, body: dict[str, Any]) -> bytes:
-        assert self.fast is not None
-        try:
-            status, content = await self.fast.request(self.base_url + "/generate", "POST", jsonio.dumps(body),
-                                                      timeout_s=self.timeout_s)
-        except HTTPFailure as exc:
-            raise self._translate(exc) from exc
-        if status >= 400:
-            raise self.error(status, error_text(content, f"HTTP {status}"))
-        return content
-
-    async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
-        body = self._body(input_ids, params, max_new_tokens, False)
-        done = False
-        try:
-            if self.fast is not None:
-                content = await self._generate_fast(body)
-            else:
-                content = (await self._post("/generate", body)).content
-            done = True
-        except (InvalidRequest, EngineError):
-            done = True  # the engine answered (with a refusal): nothing of the request runs there
-            raise
-        finally:
-            await self._abort_unless(done, body["rid"])
-        try:
-            out = jsonio.loads(content)
-        except ValueError as exc:
-            raise EngineError(f"engine {self.base_url} answered /generate with a body that is not JSON") from exc
-        return parse_output(out)
-
-    async def generate_stream(
-        self, input_ids: list[int], params: SamplingParams, max_new_tokens: int
-    ) -> AsyncIterator[EngineOutput]:
-        """Outputs as the engine streams them (SGLang's default, cumulative mode): each one holds the tokens
-        from its ``start`` on, the earlier ones being those of the outputs before it."""
-        body = self._body(input_ids, params, max_new_tokens, True)
-        if self.fast is not None:
-            async for out in self._stream_fast(body):
-                yield out
-            return
-        done = False
-        try:
-            async with self.http.stream("POST", self.base_url + "/generate", json=body,
-                                        timeout=self.timeout) as resp:
-                if resp.status_code >= 400:
-                    await resp.aread()
-                    done = True  # refused: nothing runs
-                    self._check(resp)
-                known = 0
-                async for chunk in sse_json(resp, f"engine {self.base_url} sent a malformed stream chunk"):
-                    if chunk is SSE_DONE:
-                        done = True
-                        return
-                    if isinstance(chunk, dict) and "error" in chunk:
-                        done = True  # SGLang's refusal once the stream began: the request is over
-                        raise self._stream_error(chunk["error"])
-                    out = parse_output(chunk, known)
-                    known = out.start + len(out.output_ids)
-                    done = out.finish is not None
-                    yield out
-        except httpx.HTTPError as exc:
-            raise self._translate(exc) from exc
-        finally:
-            await self._abort_unless(done, body["rid"])
-
-    async def _stream_fast(self, body: dict[str, Any]) -> AsyncIterator[EngineOutput]:
-        """:meth:`generate_stream` through the lean client (the same outputs and errors)."""
-        assert self.fast is not None
-        done = False
-        chunks = self.fast.stream(self.base_url + "/generate", jsonio.dumps(body), timeout_s=self.timeout_s)
-        text = lines(chunks)
-        events = sse_json(text, f"engine {self.base_url} sent a malformed stream chunk")
-        try:
-            status, _ = await chunks.__anext__()
-            if status >= 400:
-                content = b"".join([chunk async for _, chunk in chunks if chunk])
-                done = True  # refused: nothing runs
-                raise self.error(status, error_text(content, f"HTTP {status}"))
-            known = 0
-            async for chunk in events:
-                if chunk is SSE_DONE:
-                    done = True
-                    await _drain(chunks)  # the response's end follows [DONE]: read it, so the connection is kept
-                    return
-                if isinstance(chunk, dict) and "error" in chunk:
-                    done = True  # SGLang's refusal once the stream began: the request is over
-                    raise self._stream_error(chunk["error"])
-                out = parse_output(chunk, known)
-                known = out.start + len(out.output_ids)
-                done = out.finish is not None
-                yield out
-        except HTTPFailure as exc:
-            raise self._translate(exc) from exc
-        finally:
-            await events.aclose()
-            await text.aclose()
-            await chunks.aclose()  # before its end: closes the connection, so the engine sees us go
-            await self._abort_unless(done, body["rid"])
-
-    async def health(self, *, paused: bool = False) -> bool | None:
-        """Whether the engine serves: True, False (refused, an error status), or None when it did not answer
-        within the probe's 5 s (alive but busy: loading weights, or a probe queued behind a long batch).
-        SGLang's ``/health`` runs a one-token generation, which waits behind a pause
-        (``SGLANG_HEALTH_CHECK_TIMEOUT``, 20 s, then 503); an engine the caller paused is probed for liveness
-        with the model-info route instead (``/model_info``; ``/get_model_info`` on the embedded engine),
-        which SGLang answers without its scheduler."""
-        url = self.base_url + (self.dialect.model_info_route if paused else "/health")
-        if self.fast is not None:  # its kept connections expire first, and one the engine drops is retried
-            try:
-                status, _ = await self.fast.request(url, "GET", timeout_s=5.0)
-            except HTTPFailure as exc:
-                return None if exc.kind == "timeout" else False
-            return status == 200
-        try:
-            resp = await self.http.get(url, timeout=5.0)
-        except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
-            return None
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
-
-    async def model_info(self) -> dict[str, Any]:
-        info: dict[str, Any] = (await self._get(self.dialect.model_info_route)).json()
-        return info
-
-    async def server_info(self) -> dict[str, Any]:
-        """``/server_info`` (SGLang), else ``/get_server_info`` (the embedded engine); learns the dialect."""
-        for route, modern in (("/server_info", True), ("/get_server_info", False)):
-            try:
-                resp = await self.http.get(self.base_url + route, timeout=10.0)
-            except httpx.HTTPError as exc:
-                raise self._translate(exc) from exc
-            if resp.status_code == 404 and modern:
-                continue
-            self._check(resp)
-            info: dict[str, Any] = resp.json()
-            self.dialect = dialect_from(info, info_routes=modern)
-            return info
-        raise EngineError(f"engine {self.base_url} answers neither /server_info nor /get_server_info")
-
-    async def describe(self) -> EngineInfo:
-        from gateway.engines import EngineInfo
-
-        try:
-            server = await self.server_info()
-            context = int(server.get("context_length") or server.get("max_req_input_len") or 0)
-        except GatewayError:
-            context = 0
-        info = await self.model_info()
-        return EngineInfo(model_path=info.get("model_path"), tokenizer_path=info.get("tokenizer_path"),
-                          weight_version=_parse_version(info.get("weight_version")), context_length=context)
-
-    async def weight_version(self) -> int | None:
-        # the model-info route carries it (SGLang 0.5.19, 0.5.23, the embedded engine); /get_weight_version is
-        # a 404 in 0.5.19 and gone in 0.5.23
-        return _parse_version((await self.model_info()).get("weight_version"))
-
-    async def pause(self, mode: str = "abort") -> None:
-        await self._post("/pause_generation", {"mode": mode}, timeout=60.0)
-
-    async def continue_generation(self) -> None:
-        await self._post("/continue_generation", {}, timeout=60.0)
-
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model_path": model_path}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        result: dict[str, Any] = (await self._post("/update_weights_from_disk", body)).json()
-        return result
 
 
 @dataclass(slots=True)
@@ -823,7 +357,8 @@ class EngineRouter:
                 raise EngineError(f"engine {state.client.base_url} closed the stream without output")
             if last.finish == "abort":
                 if last.abort_status is not None:  # a refusal (SGLang streams it as an abort chunk)
-                    raise engine_error(state.client.base_url, last.abort_status, last.abort_message or "aborted")
+                    raise engine_error(GATEWAY_ERRORS, state.client.base_url, last.abort_status,
+                                       last.abort_message or "aborted")
                 if self.paused or self._pause_epoch != epoch or (
                         self.pause_check is not None and await self.pause_check()):
                     _restart_constrained(gen, params, stream)

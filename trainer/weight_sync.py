@@ -45,7 +45,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from engines.base import free_port
+from engines.control import free_port
 from trainer.engine_ops import EngineOpsError, SGLangOps, VLLMOps, engine_ops, post
 from trainer.model import DistInfo, iter_full_tensors, served_dtype, tied_duplicates
 from trainer.safetensors_io import HostBuffer, save_file_fast

@@ -1,158 +1,156 @@
-"""The engine protocol: what the gateway needs from an inference engine, one implementation per engine kind.
+"""The gateway's binding of the engine kinds (:mod:`engines`): its errors, its transports, its start-up.
 
-Everything above this seam (recording, stitching, versions, pause/resume with held requests, health and
-routing in :class:`gateway.engine_client.EngineRouter`) speaks :class:`Engine` only. Two kinds implement it:
+Each kind's client lives in the top-level :mod:`engines` package (``engines.sglang.SGLangClient``,
+``engines.vllm.VLLMClient``, behind the :class:`~engines.base.Engine` protocol), which imports nothing of the
+gateway. What the gateway adds is here:
 
-- ``sglang``: SGLang's native HTTP API (``POST /generate`` token in / token out, ``/pause_generation``,
-  ``/update_weights_from_disk``...), which the embedded engine (``agentrl engine``) speaks too:
-  :class:`gateway.engine_client.EngineClient`.
-- ``vllm``: vLLM's token-in/token-out ``POST /inference/v1/generate`` and its RL API, served with
-  ``VLLM_SERVER_DEV_MODE=1`` (``/pause``, ``/resume``, ``/weight_info``, ``/collective_rpc``...):
-  :class:`gateway.engines.vllm.VLLMClient`.
-
-The kind is configured (``--engine-kind sglang|vllm``) or detected (``auto``) by probing a route only one
-of them has: SGLang answers ``GET /get_model_info``, vLLM answers ``GET /version`` and 404s the former.
+- :data:`GATEWAY_ERRORS`: the clients raise the gateway's OpenAI-shaped errors (``gateway.errors``): an
+  unreachable engine :class:`EngineUnavailable` (503), a refused request :class:`InvalidRequest` or
+  :class:`ContextLengthExceeded` (400), anything else :class:`EngineError` (502);
+- :class:`FastTransport`: the lean HTTP/1.1 client (``gateway.fasthttp``) as an :class:`engines.transport.
+  Transport`; the SGLang-native client's bytes go through it wherever it can reach the engine (plain http,
+  no proxy), everything else through the injected ``httpx.AsyncClient`` (tests put a ``MockTransport``
+  there);
+- :func:`make_engine`, :func:`probe_kind`, :func:`connect_engines`: the kind configured (``--engine-kind
+  sglang|vllm``) or detected (``auto``) by :mod:`engines.kinds`, the one place that tells kinds apart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 
-from gateway.errors import EngineUnavailable
+from engines import ENGINE_KINDS
+from engines.base import Engine, EngineInfo
+from engines.kinds import connect, detect
+from engines.kinds import make_engine as make_kind
+from engines.sglang import SGLangClient
+from engines.transport import HTTPXTransport, Stream, Transport, TransportError
+from gateway.errors import ContextLengthExceeded, EngineError, EngineUnavailable, InvalidRequest
+from gateway.fasthttp import FastHTTP, HTTPFailure, lines, supported
 
-if TYPE_CHECKING:
-    from gateway.engine_client import EngineOutput, SamplingParams
-    from gateway.fasthttp import FastHTTP
-
-ENGINE_KINDS = ("auto", "sglang", "vllm")
-
-
-@dataclass(slots=True)
-class EngineInfo:
-    """What the gateway learns from an engine at start-up."""
-
-    model_path: str | None  # the served model directory (tokenizer and chat template come from here)
-    tokenizer_path: str | None
-    weight_version: int | None  # None: the engine has no integer version yet ("default", unset)
-    context_length: int  # 0 = unknown
+__all__ = ["ENGINE_KINDS", "GATEWAY_ERRORS", "Engine", "EngineClient", "EngineInfo", "FastTransport",
+           "connect_engines", "make_engine", "probe_kind", "transport_for"]
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """One engine at ``base_url``. Errors are the gateway's own (``gateway.errors``): an unreachable engine
-    raises :class:`EngineUnavailable`, a refused request :class:`InvalidRequest` (or
-    :class:`ContextLengthExceeded`), anything else :class:`EngineError`."""
+class _GatewayErrors:
+    def unavailable(self, message: str) -> Exception:
+        return EngineUnavailable(message)
 
-    kind: str
-    base_url: str
+    def rejected(self, message: str) -> Exception:
+        return InvalidRequest(message)
 
-    async def generate(self, input_ids: list[int], params: SamplingParams, max_new_tokens: int) -> EngineOutput:
-        """The whole generation (``finish`` set; ``"abort"`` when a pause aborted it)."""
-        ...
+    def too_long(self, message: str) -> Exception:
+        return ContextLengthExceeded(message, param="messages")
 
-    def generate_stream(
-        self, input_ids: list[int], params: SamplingParams, max_new_tokens: int
-    ) -> AsyncIterator[EngineOutput]:
-        """Cumulative outputs as tokens arrive; the last one has ``finish`` set."""
-        ...
+    def failed(self, message: str) -> Exception:
+        return EngineError(message)
 
-    async def health(self, *, paused: bool = False) -> bool | None:
-        """True when the engine serves, False when it refuses or fails, None when it does not answer within
-        the probe's timeout (alive but busy: the router waits for such an engine instead of refusing
-        requests). ``paused``: the caller paused it, so only liveness is probed (SGLang's ``/health``
-        generates a token and would wait behind the pause)."""
-        ...
 
-    async def describe(self) -> EngineInfo: ...
+GATEWAY_ERRORS = _GatewayErrors()
 
-    async def weight_version(self) -> int | None: ...
 
-    async def pause(self, mode: str = "abort") -> None:
-        """Stop generating. ``abort``: in-flight requests end with finish ``abort`` (the router re-sends
-        them after resume); ``in_place``/``retract``: they wait inside the engine."""
-        ...
+async def _drain(chunks: AsyncIterator[Any], within_s: float = 1.0) -> None:
+    """Read what is left of a response (normally only its end), so that its connection can be reused; one
+    that does not end within ``within_s`` is closed instead (by the caller's ``aclose``)."""
+    try:
+        async with asyncio.timeout(within_s):
+            async for _ in chunks:
+                pass
+    except (TimeoutError, HTTPFailure):  # the generation is complete either way
+        pass
 
-    async def continue_generation(self) -> None: ...
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int | None = None) -> object:
-        """Load new weights from a Hugging Face directory and tag later tokens with ``weight_version``."""
-        ...
+class _FastStream:
+    def __init__(self, status: int, chunks: AsyncIterator[tuple[int, Any]]) -> None:
+        self.status, self.chunks = status, chunks
+
+    async def lines(self) -> AsyncIterator[str]:
+        text = lines(self.chunks)
+        try:
+            async for line in text:
+                yield line
+        except HTTPFailure as exc:
+            raise TransportError(exc.kind, str(exc)) from exc
+        finally:
+            await text.aclose()
+
+    async def read(self) -> bytes:
+        try:
+            return b"".join([chunk async for _, chunk in self.chunks if chunk])
+        except HTTPFailure as exc:
+            raise TransportError(exc.kind, str(exc)) from exc
+
+    async def finish(self) -> None:
+        await _drain(self.chunks)
+
+
+class FastTransport:
+    """:class:`engines.transport.Transport` over the gateway's lean HTTP/1.1 client: its kept connections
+    expire before the engine's, and one the engine drops is retried."""
+
+    def __init__(self, fast: FastHTTP) -> None:
+        self.fast = fast
+
+    async def request(self, method: str, url: str, body: bytes | None = None, *,
+                      timeout_s: float) -> tuple[int, bytes]:
+        try:
+            return await self.fast.request(url, method, body, timeout_s=timeout_s)
+        except HTTPFailure as exc:
+            raise TransportError(exc.kind, str(exc)) from exc
+
+    @asynccontextmanager
+    async def stream(self, url: str, body: bytes, *, timeout_s: float) -> AsyncIterator[Stream]:
+        chunks = self.fast.stream(url, body, timeout_s=timeout_s)
+        try:
+            try:
+                status, _ = await chunks.__anext__()
+            except HTTPFailure as exc:
+                raise TransportError(exc.kind, str(exc)) from exc
+            yield _FastStream(status, chunks)
+        finally:
+            await chunks.aclose()  # before its end: closes the connection, so the engine sees us go
+
+
+def transport_for(base_url: str, http: httpx.AsyncClient, fast: FastHTTP | None = None) -> Transport:
+    """The lean client where it can reach ``base_url`` (the app's own; never an injected httpx client's
+    engine), else ``http``."""
+    return FastTransport(fast) if fast is not None and supported(base_url) else HTTPXTransport(http)
+
+
+class EngineClient(SGLangClient):
+    """An SGLang-native engine as the gateway speaks to it: the gateway's errors, its bytes through the lean
+    client where given one (``fast``) and it can reach the URL, else through ``http``. It binds the
+    constructor's arguments only; what is said on the wire is :class:`engines.sglang.SGLangClient`'s."""
+
+    def __init__(self, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0,
+                 fast: FastHTTP | None = None) -> None:
+        super().__init__(base_url, transport_for(base_url, http, fast), timeout_s=timeout_s, errors=GATEWAY_ERRORS)
 
 
 def make_engine(kind: str, base_url: str, http: httpx.AsyncClient, *, timeout_s: float = 600.0,
                 fast: FastHTTP | None = None) -> Engine:
-    """The client of one engine of a known kind (``sglang`` or ``vllm``). ``fast``: the lean HTTP client
-    for SGLang-native generation calls (``gateway.fasthttp``)."""
-    from gateway.engine_client import EngineClient
-    from gateway.engines.vllm import VLLMClient
-
+    """The client of one engine of a known kind (``sglang`` or ``vllm``). ``fast``: the lean HTTP client,
+    for SGLang-native engines (vLLM's client goes through ``http``, as it always has)."""
     if kind == "sglang":
         return EngineClient(base_url, http, timeout_s=timeout_s, fast=fast)
-    if kind == "vllm":
-        return VLLMClient(base_url, http, timeout_s=timeout_s)
-    raise ValueError(f"unknown engine kind {kind!r}; valid: sglang, vllm (or auto to detect)")
+    return make_kind(kind, base_url, HTTPXTransport(http), timeout_s=timeout_s, errors=GATEWAY_ERRORS)
 
 
 async def probe_kind(base_url: str, http: httpx.AsyncClient) -> str | None:
-    """``sglang`` or ``vllm`` by the routes the server answers; None while it does not answer yet.
-
-    SGLang (and the embedded engine) answer ``GET /get_model_info``; vLLM does not (404) but answers
-    ``GET /version``. A vLLM server without ``VLLM_SERVER_DEV_MODE=1`` lacks the pause and weight routes
-    the gateway needs, and one without ``--enable-scale-out`` refuses ``/inference/v1/generate`` (403):
-    both are refused here with a message that says how to fix it.
-    """
-    url = base_url.rstrip("/")
-    try:
-        resp = await http.get(url + "/get_model_info", timeout=5.0)
-        if resp.status_code == 200:
-            return "sglang"
-        if resp.status_code != 404:
-            return None
-        version = await http.get(url + "/version", timeout=5.0)
-        if version.status_code != 200:
-            return None
-        dev = await http.get(url + "/is_paused", timeout=5.0)
-        generate = await http.post(url + "/inference/v1/generate", json={}, timeout=5.0)  # refused either way
-    except httpx.HTTPError:
-        return None
-    if dev.status_code == 404:
-        raise EngineUnavailable(
-            f"engine {url} is a vLLM server without its RL API: start it with VLLM_SERVER_DEV_MODE=1")
-    if generate.status_code in (403, 404):
-        raise EngineUnavailable(
-            f"engine {url} is a vLLM server without its token-in/token-out route: start it with "
-            f"--enable-scale-out (POST /inference/v1/generate answered {generate.status_code})")
-    return "vllm"
+    """``sglang`` or ``vllm`` by the routes the server answers (:func:`engines.kinds.detect`); None while it
+    does not answer yet; a vLLM server without the routes the gateway needs is refused with the fix."""
+    return await detect(base_url, HTTPXTransport(http), GATEWAY_ERRORS)
 
 
 async def connect_engines(urls: list[str], kind: str, http: httpx.AsyncClient, *, timeout_s: float,
                           startup_timeout_s: float, fast: FastHTTP | None = None) -> list[Engine]:
-    """One client per URL; with ``kind == "auto"`` each engine's kind is probed until it answers.
-
-    An engine that does not answer within ``startup_timeout_s`` while another did is taken to be of the
-    other's kind (a fleet is one kind; the router's health checks keep it out of rotation until it is up).
-    """
-    if kind != "auto":
-        return [make_engine(kind, u, http, timeout_s=timeout_s, fast=fast) for u in urls]
-    deadline = time.monotonic() + startup_timeout_s
-
-    async def detect(url: str) -> str | None:
-        while True:
-            found = await probe_kind(url, http)
-            if found is not None or time.monotonic() > deadline:
-                return found
-            await asyncio.sleep(0.5)
-
-    kinds = list(await asyncio.gather(*(detect(u) for u in urls)))
-    known = [k for k in kinds if k is not None]
-    if not known:
-        raise EngineUnavailable(
-            f"cannot tell the kind of engine(s) {', '.join(urls)} within {startup_timeout_s:.0f}s (neither "
-            "GET /get_model_info nor GET /version answered); start one, or pass --engine-kind sglang|vllm")
-    return [make_engine(k or known[0], u, http, timeout_s=timeout_s, fast=fast) for k, u in zip(kinds, urls)]
+    """One client per URL; with ``kind == "auto"`` each engine's kind is probed until it answers
+    (:func:`engines.kinds.connect`), then each gets the gateway's client of its kind."""
+    found = await connect(urls, kind, [HTTPXTransport(http)] * len(urls), timeout_s=timeout_s,
+                          startup_timeout_s=startup_timeout_s, errors=GATEWAY_ERRORS)
+    return [make_engine(engine.kind, engine.base_url, http, timeout_s=timeout_s, fast=fast) for engine in found]

@@ -683,3 +683,22 @@ async def test_the_client_learns_the_servers_info_routes_and_probes_a_paused_eng
     route = "/model_info" if release else "/get_model_info"
     assert seen.count(route) == 3
     assert ("/get_model_info" in seen) is (release is None) and "/get_server_info" not in seen[:1]
+
+
+def test_every_kind_has_a_gateway_client_and_trainer_calls_in_its_own_module() -> None:
+    """engines.kinds is the one place that knows the kinds: each named kind has its module's client (which
+    implements the Engine protocol without subclassing another kind's) and its control calls."""
+    import inspect
+
+    from engines import ENGINE_KINDS
+    from engines.base import Engine
+    from engines.kinds import CLIENTS, OPS
+    from engines.transport import HTTPXTransport
+
+    assert ["auto", *CLIENTS] == list(ENGINE_KINDS) and set(OPS) == set(CLIENTS)
+    http = httpx.AsyncClient()
+    for kind, cls in CLIENTS.items():
+        assert cls.__module__ == f"engines.{kind}" == OPS[kind].__module__
+        assert [c for c in inspect.getmro(cls) if c.__module__.startswith("engines.")] == [cls]
+        client = cls("http://e", HTTPXTransport(http))
+        assert isinstance(client, Engine) and client.kind == kind

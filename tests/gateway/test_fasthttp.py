@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 
 from gateway.engine_client import EngineClient, EngineRouter, SamplingParams
+from gateway.engines import FastTransport
 from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
 from gateway.fasthttp import FastHTTP, lines
 from tests.gateway.asgi import request_body
@@ -90,7 +91,8 @@ async def test_generate_stream_and_errors_match_the_httpx_path() -> None:
     fast = FastHTTP()
     async with Served(engine.handler) as served:
         router, http = await router_over(engine, served, fast)
-        assert router.engines[0].client.fast is fast  # type: ignore[attr-defined]
+        transport = router.engines[0].client.transport  # type: ignore[attr-defined]
+        assert isinstance(transport, FastTransport) and transport.fast is fast
         params = SamplingParams(max_new_tokens=10, seed=4, stop=["x"], stop_token_ids=[EOT])
         for _ in range(3):
             gen = await collect(router, [1, 2, 3], params, affinity_key=None, stream=False)

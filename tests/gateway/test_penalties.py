@@ -66,7 +66,7 @@ def test_logit_bias_and_min_tokens_are_sampled_from_and_recorded(gateway: Gatewa
 def test_penalties_travel_under_each_engines_own_names() -> None:
     """SGLang 0.5.19 ``SamplingParams``: min_new_tokens; vLLM ``SamplingParams``: min_tokens; the rest alike."""
     from gateway.engine_client import SamplingParams
-    from gateway.engines.vllm import sampling_params
+    from engines.vllm import sampling_params
 
     pen = {"presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.2,
            "logit_bias": {"7": -100.0}, "min_new_tokens": 2}

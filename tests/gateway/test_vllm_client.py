@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from gateway.engine_client import EngineClient, EngineRouter, SamplingParams
-from gateway.engines import Engine, connect_engines, probe_kind
-from gateway.engines.vllm import VLLMClient
+from gateway.engines import Engine, connect_engines, make_engine, probe_kind
+from engines.vllm import VLLMClient
 from gateway.errors import ContextLengthExceeded, EngineUnavailable
 
 BASE = "http://vllm"
@@ -44,6 +44,7 @@ class FakeVLLM:
         self.paused = asyncio.Event()
         self.version: str | None = None
         self.aborted: list[str] = []
+        self.hold_at: int | None = None  # the next stream stops after this many tokens until /pause comes
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -100,8 +101,12 @@ class FakeVLLM:
                                                        "completion_tokens": len(out),
                                                        "total_tokens": len(body["token_ids"]) + len(out)}})
 
+        hold_at, self.hold_at = self.hold_at, None
+
         async def events() -> Any:
             for k, t in enumerate(out):
+                if k == hold_at:  # held mid-story until paused: the pause provably lands while it runs
+                    await self.paused.wait()
                 if self.paused.is_set():  # an abort: no tokens, finish_reason "abort"
                     yield f"data: {json.dumps({'request_id': 'x', 'choices': [choice([], finish='abort')]})}\n\n".encode()
                     break
@@ -119,7 +124,9 @@ class FakeVLLM:
 
 
 def client_for(fake: FakeVLLM) -> VLLMClient:
-    return VLLMClient(BASE, httpx.AsyncClient(transport=httpx.MockTransport(fake.handler)))
+    client = make_engine("vllm", BASE, httpx.AsyncClient(transport=httpx.MockTransport(fake.handler)))
+    assert isinstance(client, VLLMClient)
+    return client
 
 
 async def test_generate_request_and_response_shapes() -> None:
@@ -174,6 +181,7 @@ async def test_describe_pause_resume_and_disk_update_routes() -> None:
 async def test_router_holds_an_aborted_vllm_stream_and_resumes_it_with_the_new_version() -> None:
     fake = FakeVLLM(list(range(100, 140)))
     fake.version = "0"
+    fake.hold_at = 5
     router = EngineRouter([client_for(fake)])
     seen: list[Any] = []
 
@@ -182,14 +190,16 @@ async def test_router_holds_an_aborted_vllm_stream_and_resumes_it_with_the_new_v
             seen.append(gen)  # the router's one cumulative Generation, finished once the loop ends
 
     task = asyncio.create_task(consume())
-    while len(seen) < 5:
-        await asyncio.sleep(0.005)
-    await router.pause()
-    await asyncio.sleep(0.05)
-    assert router.held == 1
+    async with asyncio.timeout(120):  # hang guards
+        while len(seen) < 5:
+            await asyncio.sleep(0.005)
+        await router.pause()
+        while router.held != 1:  # the stream's abort reaches the router, which holds it
+            assert not task.done()
+            await asyncio.sleep(0.005)
     fake.version = "1"
     await router.resume(1)
-    await asyncio.wait_for(task, 10)
+    await asyncio.wait_for(task, 120)
     ids, versions, finish = seen[-1].output_ids, seen[-1].versions, seen[-1].finish
     assert ids == list(range(100, 140)) and finish == "stop"
     assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
@@ -257,7 +267,7 @@ async def test_the_engines_refusal_stays_the_error_when_the_abort_fails_too() ->
         return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 2048 "
                                                               "tokens.", "type": "BadRequestError", "code": 400}})
 
-    client = VLLMClient(BASE, httpx.AsyncClient(transport=httpx.MockTransport(refuse)))
+    client = make_engine("vllm", BASE, httpx.AsyncClient(transport=httpx.MockTransport(refuse)))
     with pytest.raises(ContextLengthExceeded):
         await client.generate([1], SamplingParams(max_new_tokens=2), 2)
     with pytest.raises(ContextLengthExceeded):
@@ -272,7 +282,7 @@ def test_grammars_go_to_vllm_as_structured_outputs_its_own_class_accepts() -> No
     import subprocess
 
     from gateway.constraints import check_grammar, grammar_of
-    from gateway.engines.vllm import sampling_params
+    from engines.vllm import sampling_params
     from gateway.wire import ChatCompletionRequest
     from tests.vllm.server import VENV
 

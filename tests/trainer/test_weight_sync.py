@@ -141,6 +141,9 @@ def test_tensor_sync_speaks_sglangs_update_weights_from_tensor(model, dist_info)
     with httpx.Client() as http, respx.mock:
         route = respx.post(f"{base}/update_weights_from_tensor").mock(
             return_value=httpx.Response(200, json={"success": True, "message": "Success"}))
+        # the release and its TP ranks (one tensor payload per rank; 0.5.19: no weight-update session)
+        respx.get(f"{base}/server_info").mock(return_value=httpx.Response(200, json={"version": "0.5.19",
+                                                                                      "tp_size": 1}))
         sync = TensorSync(client=http)
         staged = sync.stage(model, 4, dist_info)
         updated: list[str] = []
