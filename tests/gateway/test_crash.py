@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from gateway.lifecycle import InFlight
 from gateway.store import Store
 from tests.conftest import REDIS_URL
+from tests.engine_hooks import wait_for
 from tests.gateway.conftest import GatewayProc, read_turns
 from tests.gateway.under_load import Agents, check_recorded
 
@@ -102,21 +103,13 @@ def test_two_gateway_processes_pause_resume_and_tag_alike_across_a_push(
     with a.admin() as admin_a, b.admin() as admin_b:
         try:
             assert admin_a.post("/admin/pause", json={}).status_code == 200
-            deadline = time.monotonic() + 10
-            while not admin_b.get("/admin/engines").json()["paused"] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert admin_b.get("/admin/engines").json()["paused"], "B did not pause with A"
+            wait_for(lambda: admin_b.get("/admin/engines").json()["paused"], "B to pause with A")
             pushed = httpx.post(engine + "/update_weights_from_disk",
                                 json={"model_path": model, "weight_version": "4"}, timeout=120)
             assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
             assert admin_a.post("/admin/resume", json={"weight_version": 4}).status_code == 200
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                health = httpx.get(b.base_url + "/health", timeout=10).json()
-                if health["weight_version"] == 4 and not health["paused"]:
-                    break
-                time.sleep(0.05)
-            assert health["weight_version"] == 4 and not health["paused"], health
+            wait_for(lambda: (lambda h: h["weight_version"] == 4 and not h["paused"])(
+                httpx.get(b.base_url + "/health", timeout=30).json()), "B to resume at version 4 with A")
             ids = []
             for gw in (a, b):
                 client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.agent_key, max_retries=0, timeout=60)

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ import redis
 
 from agentrl.procs import Processes
 from tests.conftest import REDIS_URL, free_port
+from tests.engine_hooks import held_decoding, wait_for, wait_held
 from tests.gateway.conftest import GatewayProc, full_sequences, read_turns
 from tests.standin import COMMAND as STANDIN
 
@@ -71,29 +71,29 @@ def test_real_engine_turns_streaming_and_pause_resume(gateway: GatewayProc) -> N
     assert b.output_logprobs == pytest.approx(a.output_logprobs, abs=1e-4)
 
     # pause while a stream is generating, push version 7 (the same weights) and resume: the client sees
-    # one stream, the row holds tokens of both versions (as the engine reports them), version 0 first
+    # one stream, the row holds tokens of both versions (as the engine reports them), version 0 first. The
+    # engine (--test-hooks) holds the story at 8 tokens until the push is in, so the pause provably lands
+    # mid-story however fast the machine (a free-running story could end before the pause).
     admin = gateway.admin()
     engine = gateway.engine_urls[0]
-
-    def push_and_resume() -> None:
-        model = httpx.get(engine + "/get_model_info", timeout=30).json()["model_path"]
-        pushed = httpx.post(engine + "/update_weights_from_disk",
-                            json={"model_path": model, "weight_version": "7"}, timeout=120)
-        assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
-        admin.post("/admin/resume", json={"weight_version": 7})
-        resumed.set()
-
     try:
-        stream = client.chat.completions.create(model="tiny", messages=q, max_tokens=150, seed=1, stream=True)
-        pieces, resumed, rid = [], threading.Event(), None
-        for chunk in stream:
+        with held_decoding(engine, 8):
+            stream = client.chat.completions.create(model="tiny", messages=q, max_tokens=150, seed=1, stream=True,
+                                                    extra_body={"min_tokens": 16})
+            chunks = iter(stream)
+            first = next(chunks)
+            wait_held(engine)
+            assert admin.post("/admin/pause", json={}).status_code == 200
+            model = httpx.get(engine + "/get_model_info", timeout=30).json()["model_path"]
+            pushed = httpx.post(engine + "/update_weights_from_disk",
+                                json={"model_path": model, "weight_version": "7"}, timeout=120)
+            assert pushed.status_code == 200 and pushed.json()["success"], pushed.text
+        assert admin.post("/admin/resume", json={"weight_version": 7}).status_code == 200
+        pieces, rid = [], None
+        for chunk in [first, *chunks]:
             rid = chunk.id
             for choice in chunk.choices:
                 pieces.append(choice.delta.content or "")
-            if len(pieces) == 4 and not resumed.is_set():
-                assert admin.post("/admin/pause", json={}).status_code == 200
-                threading.Timer(0.5, push_and_resume).start()
-        assert resumed.wait(60)
     finally:
         admin.post("/admin/resume", json={"weight_version": 7})
         admin.close()
@@ -142,9 +142,7 @@ def test_parallel_tool_calls_and_dead_engine_via_standin_process(gateway_factory
         assert health.status_code == 503
         # ... and comes back when healthy again
         _standin(procs, port, ["back"], str(tiny_model_dir))
-        deadline = time.monotonic() + 30
-        while httpx.get(gw.base_url + "/health").status_code != 200 and time.monotonic() < deadline:
-            time.sleep(0.3)
+        wait_for(lambda: httpx.get(gw.base_url + "/health").status_code == 200, "the gateway healthy again")
         back = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                               max_tokens=10)
         assert back.choices[0].message.content == "back"
@@ -188,10 +186,8 @@ def test_two_gateways_share_postgres_and_redis(gateway_factory: Any, pg_url: str
         assert imp_fulls[k][: len(imp_fulls[k - 1])] == imp_fulls[k - 1]
     assert imp_turns[0].root_reason == "first_turn"
     markers = redis.Redis.from_url(REDIS_URL)
-    deadline = time.monotonic() + 10  # a marker is removed in the background once its turn has ended
-    while markers.keys(redis_prefix + "inflight:*") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not markers.keys(redis_prefix + "inflight:*")
+    # a marker is removed in the background once its turn has ended (the wait is a hang guard)
+    wait_for(lambda: not markers.keys(redis_prefix + "inflight:*"), "no in-flight marker left")
     # finishing through B is seen by A
     with gw_b.admin() as admin:
         assert admin.post(f"/v1/sessions/{sess['session_id']}/finish").status_code == 200
