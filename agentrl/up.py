@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
