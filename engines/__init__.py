@@ -8,7 +8,7 @@ This package imports neither the gateway nor the trainer, so that both import it
 - :mod:`engines.transport`: the seam between a client and what carries its bytes (httpx here; the gateway
   adds its lean HTTP/1.1 client), so that each client has one code path;
 - :mod:`engines.control`: what the trainer's control calls share (``post``, ``EngineOpsError``, the
-  ``EngineOps`` protocol, ``free_port``);
+  ``EngineOps`` protocol);
 - :mod:`engines.sglang`: SGLang's native API, which the embedded engine speaks too: the release dialect
   (0.5.19 / 0.5.23), the gateway's client (``SGLangClient``) and the trainer's calls (``SGLangOps``);
 - :mod:`engines.vllm`: vLLM's token-in/token-out and RL APIs: ``VLLMClient`` and ``VLLMOps``;

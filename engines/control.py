@@ -7,7 +7,6 @@ at that boundary.
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Protocol
 
 import httpx
@@ -35,13 +34,6 @@ def post(client: httpx.Client, url: str, body: dict[str, Any] | None, *, timeout
             message = resp.text[:300]
         raise EngineOpsError(f"POST {url} answered {resp.status_code}: {message}")
     return data if isinstance(data, dict) else {}
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (for a weight-update group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class EngineOps(Protocol):

@@ -45,7 +45,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from engines.control import free_port
+from agentrl.procs import free_port
 from trainer.engine_ops import EngineOpsError, SGLangOps, VLLMOps, engine_ops, post
 from trainer.model import DistInfo, iter_full_tensors, served_dtype, tied_duplicates
 from trainer.safetensors_io import HostBuffer, save_file_fast
@@ -479,7 +479,7 @@ class BroadcastSync:
 
         self.disconnect()
         self._name = f"{self.group_name}-{secrets.token_hex(4)}"
-        port = self.master_port or free_port()
+        port = self.master_port or free_port("")  # any interface: the engines may connect from other hosts
         offsets, world = [], 1
         for url in engines:
             offsets.append(world)
