@@ -29,7 +29,10 @@ class FakeEngine:
         self.name, self.reply = name, reply
         self.healthy, self.paused = True, asyncio.Event()
         self.requests: list[dict[str, Any]] = []
-        self.step = asyncio.Event()
+        self.step = asyncio.Event()  # set once a stream has sent two tokens
+        # set: the next stream that reaches ``step`` waits there until paused, so that a pause provably
+        # lands mid-stream (its seven tokens at 10 ms each could all be out before a slow test pauses)
+        self.hold_at_step = False
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -65,6 +68,9 @@ class FakeEngine:
                 await asyncio.sleep(0.01)
                 if k == 2:
                     self.step.set()
+                    if self.hold_at_step:
+                        self.hold_at_step = False
+                        await self.paused.wait()
             yield b"data: [DONE]\n\n"
 
         return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
@@ -73,6 +79,13 @@ class FakeEngine:
 def make_router(*engines: FakeEngine) -> tuple[EngineRouter, list[httpx.AsyncClient]]:
     clients = [httpx.AsyncClient(transport=httpx.MockTransport(e.handler)) for e in engines]
     return EngineRouter([EngineClient(f"http://{e.name}", c) for e, c in zip(engines, clients)]), clients
+
+
+async def until_held(router: EngineRouter) -> None:
+    """Wait until the router holds a generation (a pause's abort reached it); the bound is a hang guard."""
+    async with asyncio.timeout(120):
+        while not router.held:
+            await asyncio.sleep(0.005)
 
 
 async def collect(router: EngineRouter, ids: list[int], params: SamplingParams, **kw: Any) -> Any:
@@ -158,16 +171,14 @@ async def test_pause_holds_and_resume_continues_with_new_version() -> None:
             last = gen
         return last
 
+    engine.hold_at_step = True
     task = asyncio.create_task(consume())
-    await asyncio.wait_for(engine.step.wait(), 5)
+    await asyncio.wait_for(engine.step.wait(), 120)  # a hang guard
     await router.pause()
-    for _ in range(100):
-        if router.held:
-            break
-        await asyncio.sleep(0.01)
+    await until_held(router)
     assert router.held == 1 and not task.done()
     await router.resume(5)
-    gen = await asyncio.wait_for(task, 5)
+    gen = await asyncio.wait_for(task, 120)
     assert gen.output_ids == [10, 11, 12, 13, 14, 15, EOT] and gen.finish == "stop"
     cut = gen.versions.index(5)
     assert gen.versions == [0] * cut + [5] * (7 - cut) and 1 <= cut < 7
@@ -382,18 +393,16 @@ async def test_a_constrained_generation_starts_over_after_a_pause_instead_of_con
         router_box.append(router)
         params = SamplingParams(max_new_tokens=20, grammar=grammar)
         task = asyncio.create_task(collect(router, [1, 2], params, affinity_key=None, stream=False))
-        for _ in range(200):
-            if router.held:
-                break
-            await asyncio.sleep(0.01)
+        await until_held(router)
         assert router.held == 1
         await router.resume(3)
-        gen = await asyncio.wait_for(task, 5)
+        gen = await asyncio.wait_for(task, 120)
     assert gen.output_ids == [20, 21, 22, EOT] and gen.versions == [3] * 4  # all of it from the new weights
     assert calls[1]["input_ids"] == [1, 2] and calls[1]["sampling_params"]["max_new_tokens"] == 20
     assert calls[1]["sampling_params"]["regex"] == "[a-z]+"
 
     engine = FakeEngine("a", [10, 11, 12, 13, 14, 15, EOT])
+    engine.hold_at_step = True
     router, clients = make_router(engine)
 
     async def consume() -> None:
@@ -402,10 +411,10 @@ async def test_a_constrained_generation_starts_over_after_a_pause_instead_of_con
             pass
 
     task = asyncio.create_task(consume())
-    await asyncio.wait_for(engine.step.wait(), 5)
+    await asyncio.wait_for(engine.step.wait(), 120)  # a hang guard
     await router.pause()
     with pytest.raises(EngineError, match="grammar-constrained stream was interrupted"):
-        await asyncio.wait_for(task, 5)
+        await asyncio.wait_for(task, 120)
     assert len(engine.requests) == 1  # never re-sent as prompt + partial output
     await router.resume(1)
     for c in clients:

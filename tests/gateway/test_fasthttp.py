@@ -18,7 +18,7 @@ from gateway.engines import FastTransport
 from gateway.errors import EngineError, EngineUnavailable, InvalidRequest
 from gateway.fasthttp import FastHTTP, lines
 from tests.gateway.asgi import request_body
-from tests.gateway.test_engine_client import EOT, FakeEngine, body, collect
+from tests.gateway.test_engine_client import EOT, FakeEngine, body, collect, until_held
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response] | httpx.Response]
 
@@ -81,6 +81,12 @@ class Served:
         await self.task
 
 
+async def _until(check: Callable[[], Any]) -> None:
+    async with asyncio.timeout(120):  # a hang guard
+        while not check():
+            await asyncio.sleep(0.005)
+
+
 async def router_over(engine: FakeEngine, served: Served, fast: FastHTTP) -> tuple[EngineRouter, httpx.AsyncClient]:
     http = httpx.AsyncClient()
     return EngineRouter([EngineClient(served.url, http, fast=fast)]), http
@@ -121,6 +127,7 @@ async def test_generate_stream_and_errors_match_the_httpx_path() -> None:
 
 async def test_stream_error_event_and_pause_resume_over_real_http() -> None:
     engine = FakeEngine("a", [10, 11, 12, 13, 14, 15, EOT])
+    engine.hold_at_step = True  # the stream waits after two tokens until the pause: it lands mid-stream
     fast = FastHTTP()
     async with Served(engine.handler) as served:
         router, http = await router_over(engine, served, fast)
@@ -135,15 +142,12 @@ async def test_stream_error_event_and_pause_resume_over_real_http() -> None:
             return last
 
         task = asyncio.create_task(consume())
-        await asyncio.wait_for(engine.step.wait(), 5)
+        await asyncio.wait_for(engine.step.wait(), 120)  # a hang guard
         await router.pause()
-        for _ in range(100):
-            if router.held:
-                break
-            await asyncio.sleep(0.01)
+        await until_held(router)
         assert router.held == 1 and not task.done()
         await router.resume(5)
-        gen = await asyncio.wait_for(task, 5)
+        gen = await asyncio.wait_for(task, 120)
         assert gen.output_ids == [10, 11, 12, 13, 14, 15, EOT] and gen.segments == 2
         assert 5 in gen.versions and all(seen[i] == seen[i + 1][: len(seen[i])] for i in range(len(seen) - 1))
         await http.aclose()
@@ -180,12 +184,14 @@ async def test_stream_error_event_and_pause_resume_over_real_http() -> None:
 async def test_timeout_cancel_and_a_kept_connection_dropped_by_the_server() -> None:
     release = asyncio.Event()
     aborted: list[str] = []
+    waiting: list[str] = []  # the rids of the requests the engine holds
 
     async def slow(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/abort_request":
             aborted.append(json.loads(request.content)["rid"])
             return httpx.Response(200, json={})
         if json.loads(request.content)["input_ids"] == [9]:
+            waiting.append(json.loads(request.content)["rid"])
             await release.wait()
         return httpx.Response(200, json=body([4, EOT], {"type": "stop", "matched": EOT}))
 
@@ -194,22 +200,16 @@ async def test_timeout_cancel_and_a_kept_connection_dropped_by_the_server() -> N
         client = EngineClient(served.url, http, timeout_s=0.3, fast=fast)
         with pytest.raises(EngineUnavailable, match="HTTP timeout"):
             await client.generate([9], SamplingParams(max_new_tokens=4), 4)
-        for _ in range(100):  # the gateway gave up: it tells the engine to stop too
-            if aborted:
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: aborted)  # the gateway gave up: it tells the engine to stop too
         assert len(aborted) == 1
         client = EngineClient(served.url, http, timeout_s=30, fast=fast)
         task = asyncio.ensure_future(client.generate([9], SamplingParams(max_new_tokens=4), 4))
-        await asyncio.sleep(0.2)
+        await _until(lambda: len(waiting) == 2)  # the engine has the request
         task.cancel()  # the agent went away
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if len(aborted) == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert len(aborted) == 2
+        await _until(lambda: len(aborted) == 2)
+        assert len(aborted) == 2 and aborted[1] == waiting[1]
         release.set()
         out = await client.generate([1], SamplingParams(max_new_tokens=4), 4)
         assert out.output_ids == [4, EOT]
