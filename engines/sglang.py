@@ -232,7 +232,8 @@ class SGLangClient:
                     raise engine_error(self.errors, self.base_url, resp.status,
                                        error_text(content, f"HTTP {resp.status}"))
                 known = 0
-                events = sse_json(resp.lines(), malformed)
+                lines = resp.lines()
+                events = sse_json(lines, malformed)
                 try:
                     async for chunk in events:
                         if chunk is SSE_DONE:
@@ -248,6 +249,7 @@ class SGLangClient:
                         yield out
                 finally:
                     await events.aclose()
+                    await lines.aclose()
         except TransportError as exc:
             raise self._unreachable(exc) from exc
         finally:

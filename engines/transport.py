@@ -13,7 +13,7 @@ listens, or the connection was refused), ``timeout`` (no answer in time: the eng
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
@@ -35,7 +35,9 @@ class Stream(Protocol):
 
     status: int
 
-    def lines(self) -> AsyncIterator[str]: ...
+    def lines(self) -> AsyncGenerator[str, None]:
+        """The body's text lines (``\n``, ``\r\n`` or ``\r`` ends one); the caller closes it."""
+        ...
 
     async def read(self) -> bytes:
         """The rest of the body (an error answer's)."""
@@ -74,7 +76,7 @@ class _HTTPXStream:
     def __init__(self, resp: httpx.Response) -> None:
         self.resp, self.status = resp, resp.status_code
 
-    async def lines(self) -> AsyncIterator[str]:
+    async def lines(self) -> AsyncGenerator[str, None]:
         try:
             async for line in self.resp.aiter_lines():
                 yield line

@@ -215,7 +215,8 @@ class VLLMClient:
                     content = await resp.read()
                     raise engine_error(self.errors, self.base_url, resp.status,
                                        error_text(content, f"HTTP {resp.status}"))
-                events = sse_json(resp.lines(), malformed)
+                lines = resp.lines()
+                events = sse_json(lines, malformed)
                 try:
                     async for event in events:
                         if event is SSE_DONE:
@@ -229,6 +230,7 @@ class VLLMClient:
                             yield acc.output()
                 finally:
                     await events.aclose()
+                    await lines.aclose()
         except TransportError as exc:
             raise self._unreachable(exc) from exc
         finally:

@@ -18,7 +18,7 @@ gateway. What the gateway adds is here:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -69,7 +69,7 @@ class _FastStream:
     def __init__(self, status: int, chunks: AsyncIterator[tuple[int, Any]]) -> None:
         self.status, self.chunks = status, chunks
 
-    async def lines(self) -> AsyncIterator[str]:
+    async def lines(self) -> AsyncGenerator[str, None]:
         text = lines(self.chunks)
         try:
             async for line in text:
