@@ -110,12 +110,13 @@ class EngineRouter:
         self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            try:
-                await self._health_task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._health_task, self._probe):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
 
     async def _health_loop(self) -> None:
         while True:
