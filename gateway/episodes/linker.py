@@ -90,8 +90,14 @@ class EpisodeLink:
     signals: Signals
     session: Any  # SessionRecord | KeyedSession | None, as the core takes it
     owner: str | None = None
-    evidence: str = ""  # text of the request a summary or a handle is looked for in
+    body: Mapping[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def evidence(self) -> str:
+        """The request's user-side text, where a summary (or a compaction handle) is looked for (only read
+        for a new segment: not on every turn's path)."""
+        return _evidence(self.body)
 
     def meta(self, base: dict[str, Any]) -> dict[str, Any]:
         """The format's recorded meta plus this turn's thread label."""
@@ -143,7 +149,7 @@ class EpisodeLinker:
     async def link(self, headers: Mapping[str, str], body: Mapping[str, Any], api: str, *, session: Any,
                    owner: str | None, implicit_allowed: bool) -> EpisodeLink:
         sig = read_signals(headers, body, api)
-        out = EpisodeLink(self, sig, session, owner, evidence=_evidence(body))
+        out = EpisodeLink(self, sig, session, owner, body=body)
         if sig.client is None:
             return out
         for problem in sig.problems:
@@ -181,7 +187,10 @@ class EpisodeLinker:
             record = await self.store.get_session(session_id=parent.session_id)
         except store_errors.NotFound:
             out.notes.append(f"X-AgentRL-Parent-Response {sig.parent_response!r} is not a recorded response")
+            sig.thread = sig.thread or MAIN
             return
+        if not sig.thread:  # a compaction keeps the thread of the response it follows
+            sig.thread = _label(parent).get("thread") or MAIN
         if out.session is not None:
             if out.session.id != record.id:
                 out.notes.append(f"X-AgentRL-Parent-Response {sig.parent_response!r} belongs to another session")
@@ -302,7 +311,8 @@ class EpisodeLinker:
             return
         row.from_turn = summarizer.id
         probe = _summary_probe(summarizer.response_message)
-        carried = summarizer.id in link.evidence or (bool(probe) and probe in link.evidence)
+        evidence = link.evidence
+        carried = summarizer.id in evidence or (bool(probe) and probe in evidence)
         row.status = table.CONFIRMED if carried else table.LINKED
         if not carried:
             row.detail["note"] = "the new window does not carry the summarizer's text verbatim"
@@ -317,8 +327,9 @@ class EpisodeLinker:
             row.status = table.UNLINKED
             row.detail["reason"] = f"X-AgentRL-Parent-Response {sig.parent_response!r} is not a turn of this session"
             return
-        label = _label(parent)
-        row.from_turn, row.from_thread, row.from_segment = parent.id, label.get("thread"), label.get("segment")
+        label = _label(parent)  # an unlabelled turn (a request without episode signals) is of the main thread
+        row.from_turn, row.from_thread = parent.id, label.get("thread") or MAIN
+        row.from_segment = label.get("segment") or "0"
         row.status = table.CONFIRMED  # the client named it
 
     async def _confirm(self, sig: Signals, session_id: str, conf: Confirmation,

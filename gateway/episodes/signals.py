@@ -229,7 +229,10 @@ def _header(h: dict[str, str]) -> Signals:
         sig.problems.append(f"{LINK_HEADER} {link!r} is not one of {', '.join(LINK_KINDS)}")
         link = "spawn"
     sig.link = link
-    sig.thread = h.get(THREAD_HEADER, "").strip() or (f"child-of-{parent}" if parent else MAIN)
+    # a spawned thread is named after its parent response; a compacted one keeps its thread (the parent
+    # response's, filled in by the linker, which reads that turn)
+    sig.thread = h.get(THREAD_HEADER, "").strip() or (
+        "" if link == "compaction" and parent else f"child-of-{parent}" if parent else MAIN)
     if link == "compaction":
         sig.segment = "after-" + (parent or "?")
     return sig

@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway.binding import session_for
 from gateway.context import services
+from gateway.episodes import link_request
 from gateway.errors import InvalidRequest, NotFound
 from gateway.formats import chat
 from gateway.routes.common import SSE_HEADERS, caller, direct, json_body, json_response, read_json, unless_disconnected
@@ -32,11 +33,20 @@ async def _generate(request: Request, model: type[ChatCompletionRequest] | type[
     if isinstance(req, CompletionRequest) and len(req.prompts) > 1:
         return await _completion_batch(request, req, session, who.owner)
     service = GenerationService(svc, owner=who.owner)
+    link = None  # X-AgentRL-Parent-Response: a thread of another response's episode (issue 33)
+    if isinstance(req, ChatCompletionRequest):
+        link = await link_request(request, svc, who, session, req, "chat")
+        session = link.session
+    meta = link.meta({}) if link is not None else None
     if req.stream:
-        plan, runs, events = await unless_disconnected(request, service.stream_turn(req, session))
+        plan, runs, events = await unless_disconnected(request, service.stream_turn(req, session, meta=meta))
+        if link is not None:
+            events = link.watch(events, runs)
         return StreamingResponse(stream(req, plan, runs, events, svc.model_name, svc.tokenizer),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
-    plan, runs = await unless_disconnected(request, service.run_turn(req, session))
+    plan, runs = await unless_disconnected(request, service.run_turn(req, session, meta=meta))
+    if link is not None:
+        await link.recorded(runs)
     return json_response(plain(req, plan, runs, svc.model_name, svc.tokenizer))
 
 
