@@ -4,28 +4,53 @@ through redis-py and through the lean client the gateway gives them (``Store.red
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.errors import StoreUnavailable
 from gateway.lifecycle import InFlight
+from gateway.lifecycle import inflight as inflight_module
 from gateway.store.resp import LeanRedis
 from tests.conftest import REDIS_URL, free_port
 
 CLIENTS = {"redis-py": aioredis.Redis.from_url, "lean": LeanRedis.from_url}
 
 
+class Clock:
+    """The markers' clock (their scores are unix times), moved by the test: a marker lapses when the test
+    moves the clock past it, not when a slow machine lets its refresher fall behind a real 0.6 s TTL."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(inflight_module, "time", c)
+    return c
+
+
 @pytest.mark.parametrize("kind", CLIENTS)
-async def test_markers_live_while_their_replica_does_and_lapse_after_it_dies(redis_prefix: str, kind: str) -> None:
+async def test_markers_live_while_their_replica_does_and_lapse_after_it_dies(
+        redis_prefix: str, kind: str, clock: Clock) -> None:
     client, other_client = CLIENTS[kind](REDIS_URL), CLIENTS[kind](REDIS_URL)  # one connection per replica
     try:
-        replica = InFlight(client, prefix=redis_prefix, ttl_s=0.6)
-        other = InFlight(other_client, prefix=redis_prefix, ttl_s=0.6)  # another replica's lifecycle asks
+        # ttl 3 s of the test's clock; the refresher runs every 1 s of real time, and Redis drops a key
+        # 4 x ttl + 1 = 13 real seconds after its last refresh
+        replica = InFlight(client, prefix=redis_prefix, ttl_s=3)
+        other = InFlight(other_client, prefix=redis_prefix, ttl_s=3)  # another replica's lifecycle asks
         turn = replica.track("s-live")
         await turn.__aenter__()
-        await asyncio.sleep(1.5)  # > ttl: the live replica keeps its marker fresh
-        assert await other.busy(["s-live"]) == {"s-live"}
+        clock.now += 4.5  # > ttl: the live replica keeps its marker fresh (its next refresh shows it busy)
+        async with asyncio.timeout(120):  # a hang guard
+            while await other.busy(["s-live"]) != {"s-live"}:
+                await asyncio.sleep(0.05)
         await turn.__aexit__(None, None, None)  # the marker's removal is sent off the turn's path...
         assert await replica.busy(["s-live"]) == set()  # ...and the replica's own view waits for it
         assert await other.busy(["s-live"]) == set()
@@ -34,7 +59,7 @@ async def test_markers_live_while_their_replica_does_and_lapse_after_it_dies(red
         await crashed.__aenter__()  # kill -9: the turn never ends and nobody refreshes its marker
         await replica.close()
         assert await other.busy(["s-crashed"]) == {"s-crashed"}
-        await asyncio.sleep(1.0)
+        clock.now += 3.5  # > ttl since its last refresh
         assert await other.busy(["s-crashed"]) == set()
     finally:
         await client.aclose()
