@@ -170,7 +170,11 @@ def test_two_workers_one_session_one_leader_and_takeover(tmp_path: Path, tiny_mo
         holder = _until("a leader", lambda: r.get(key)).decode()
         leader_pid = int(holder.split(":")[1])
         assert leader_pid in workers
-        stats = {w: resp.json() for w, resp in _each_worker(base + "/v1/trajectories/stats", admin).items()}
+        def leader_ticked() -> dict[str, Any] | None:
+            got = {w: resp.json() for w, resp in _each_worker(base + "/v1/trajectories/stats", admin).items()}
+            return got if any(s["leader"]["leading"] and s["stats"]["ticks"] for s in got.values()) else None
+
+        stats = _until("the leader's first tick", leader_ticked)
         leading = [s for s in stats.values() if s["leader"]["leading"]]
         assert len(leading) == 1 and leading[0]["leader"]["this_process"] == holder
         follower = next(s for s in stats.values() if not s["leader"]["leading"])
