@@ -207,21 +207,30 @@ def _check_url(url: str) -> str:
 # ------------------------------------------------------------------ one code path for sync and async
 #
 # Every operation (the served model, reserving a group, a reward, finishing, abandoning) is written once,
-# as a generator of steps: it yields what it needs done, a `_Request` to the gateway or a `_Close` of an
-# SDK client, and is sent the result (or has the error thrown into it). `Gateway` runs these generators
-# with blocking calls, `AsyncGateway` with awaited ones; only `__init__` and `request` (the retry loop,
-# which sleeps) differ between the two, so the two clients cannot drift apart.
+# as a generator of steps: it yields what it needs done, a `_Send` of one HTTP request, a `_Sleep` before
+# a retry or a `_Close` of an SDK client, and is sent the result (or has the error thrown into it). The retry
+# policy is such a generator too (`_request_steps`). `Gateway` performs the steps with blocking calls,
+# `AsyncGateway` with awaited ones; only `__init__` and `_perform` differ between the two, so the two
+# clients cannot drift apart.
 
 T = TypeVar("T")
 Steps = Generator[Any, Any, T]
 
 
 @dataclass(frozen=True)
-class _Request:
+class _Send:
+    """One HTTP request to the gateway, as it is (no retry)."""
+
     method: str
-    path: str
-    json: Any = None
-    key: str | None = None
+    url: str
+    json: Any
+    headers: dict[str, str]
+    params: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class _Sleep:
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -266,7 +275,8 @@ class _Run:
 
 
 class _GatewayBase:
-    """What `Gateway` and `AsyncGateway` share; each adds ``request`` and a driver for the steps."""
+    """What `Gateway` and `AsyncGateway` share: every operation's steps. Each adds ``_perform`` (a step done
+    blocking or awaited), the driver ``_run`` over it, and the public methods, plain or ``async``."""
 
     def __init__(self, url: str, key: str, *, down_wait_s: float, admission_wait_s: float, sdk_http: Any) -> None:
         self.url = _check_url(url)
@@ -277,15 +287,26 @@ class _GatewayBase:
         self._sdk_http = sdk_http  # an httpx2 client shared by the episodes' OpenAI SDK clients
         self._model: str | None = None
 
-    def _attempts(self, method: str, path: str) -> _Attempts:
-        return _Attempts(f"{method} {self.url}{path}", self.down_wait_s, self.admission_wait_s, self.counters)
-
-    def _headers(self, key: str | None) -> dict[str, str]:
-        return {"Authorization": f"Bearer {key}"} if key else self.headers
+    def _request_steps(self, method: str, path: str, *, json: Any = None, key: str | None = None,
+                       params: dict[str, Any] | None = None) -> Steps[httpx.Response]:
+        """One call with the retry policy of the module docstring; returns the 2xx response."""
+        attempts = _Attempts(f"{method} {self.url}{path}", self.down_wait_s, self.admission_wait_s, self.counters)
+        headers = {"Authorization": f"Bearer {key}"} if key else self.headers
+        while True:
+            try:
+                response = yield _Send(method, self.url + path, json, headers, params)
+            except httpx.TransportError as exc:
+                wait = attempts.next_wait(None, exc)
+            else:
+                wait = attempts.next_wait(response, None)
+                if wait is None:
+                    return response
+            assert wait is not None
+            yield _Sleep(wait)
 
     def _model_steps(self) -> Steps[str]:
         if self._model is None:
-            data = (yield _Request("GET", "/v1/models")).json().get("data") or []
+            data = (yield from self._request_steps("GET", "/v1/models")).json().get("data") or []
             if not data:
                 raise GatewayError("GET /v1/models lists no model")
             self._model = str(data[0]["id"])
@@ -293,17 +314,17 @@ class _GatewayBase:
 
     def _group_steps(self, body: dict[str, Any], task_id: str | None) -> Steps[Any]:
         model = yield from self._model_steps()
-        created = (yield _Request("POST", "/v1/groups", json=body)).json()
+        created = (yield from self._request_steps("POST", "/v1/groups", json=body)).json()
         group_id = str(created["group_id"])
         episodes = [self._episode(self, s, group_id=group_id, task_id=task_id, model=model)
                     for s in _sessions_of(self.url, created)]
         return self._group(self, group_id, task_id, episodes)
 
     def _reward_steps(self, response_id: str, value: float) -> Steps[None]:
-        yield _Request("POST", "/reward", json=_reward_body(value, "", response_id))
+        yield from self._request_steps("POST", "/reward", json=_reward_body(value, "", response_id))
 
     def _group_status_steps(self, group_id: str) -> Steps[dict[str, Any]]:
-        return dict((yield _Request("GET", f"/v1/groups/{group_id}")).json())
+        return dict((yield from self._request_steps("GET", f"/v1/groups/{group_id}")).json())
 
     _episode: type[_EpisodeBase]
     _group: type[_GroupBase[Any]]
@@ -349,13 +370,14 @@ class _EpisodeBase:
         return None
 
     def _reward_steps(self, value: float, response_id: str | None) -> Steps[None]:
-        yield _Request("POST", "/reward", json=_reward_body(value, self.session_id, response_id), key=self.api_key)
+        yield from self.gateway._request_steps("POST", "/reward", json=_reward_body(value, self.session_id, response_id),
+                                               key=self.api_key)
         self.rewards.append((response_id, float(value)))
 
     def _end_steps(self, action: str) -> Steps[None]:
         """``finish`` or ``abandon`` this episode (idempotent), then close the SDK clients made for it."""
         if self.active:
-            yield _Request("POST", f"/v1/sessions/{self.session_id}/{action}")
+            yield from self.gateway._request_steps("POST", f"/v1/sessions/{self.session_id}/{action}")
             self.status = "finished" if action == "finish" else "abandoned"
         yield from self._close_owned_steps()
 
@@ -396,7 +418,7 @@ class _GroupBase(Generic[E]):
             yield from episode._end_steps("finish")
 
     def _abandon_steps(self) -> Steps[None]:
-        yield _Request("POST", f"/v1/groups/{self.group_id}/abandon")
+        yield from self.gateway._request_steps("POST", f"/v1/groups/{self.group_id}/abandon")
         for episode in self.episodes:
             if episode.active:
                 episode.status = "abandoned"
@@ -441,19 +463,7 @@ class Gateway(_GatewayBase):
     def request(self, method: str, path: str, *, json: Any = None, key: str | None = None,
                 params: dict[str, Any] | None = None) -> httpx.Response:
         """One call with the retry policy of the module docstring; returns the 2xx response."""
-        attempts = self._attempts(method, path)
-        while True:
-            try:
-                response = self._http.request(method, self.url + path, json=json, headers=self._headers(key),
-                                              params=params)
-            except httpx.TransportError as exc:
-                wait = attempts.next_wait(None, exc)
-            else:
-                wait = attempts.next_wait(response, None)
-                if wait is None:
-                    return response
-            assert wait is not None
-            time.sleep(wait)
+        return self._run(self._request_steps(method, path, json=json, key=key, params=params))
 
     def _run(self, steps: Steps[T]) -> T:
         run = _Run(steps)
@@ -462,10 +472,12 @@ class Gateway(_GatewayBase):
                 run.sent = self._perform(run.step)
         return run.result  # type: ignore[no-any-return]
 
-    def _perform(self, step: _Request | _Close) -> Any:
-        if isinstance(step, _Close):
-            return step.client.close()
-        return self.request(step.method, step.path, json=step.json, key=step.key)
+    def _perform(self, step: _Send | _Sleep | _Close) -> Any:
+        if isinstance(step, _Send):
+            return self._http.request(step.method, step.url, json=step.json, headers=step.headers, params=step.params)
+        if isinstance(step, _Sleep):
+            return time.sleep(step.seconds)
+        return step.client.close()
 
     def model(self) -> str:
         """The served model's name (first of ``GET /v1/models``), asked once."""
@@ -568,19 +580,7 @@ class AsyncGateway(_GatewayBase):
     async def request(self, method: str, path: str, *, json: Any = None, key: str | None = None,
                       params: dict[str, Any] | None = None) -> httpx.Response:
         """One call with the retry policy of the module docstring; returns the 2xx response."""
-        attempts = self._attempts(method, path)
-        while True:
-            try:
-                response = await self._http.request(method, self.url + path, json=json, headers=self._headers(key),
-                                                    params=params)
-            except httpx.TransportError as exc:
-                wait = attempts.next_wait(None, exc)
-            else:
-                wait = attempts.next_wait(response, None)
-                if wait is None:
-                    return response
-            assert wait is not None
-            await asyncio.sleep(wait)
+        return await self._run(self._request_steps(method, path, json=json, key=key, params=params))
 
     async def _run(self, steps: Steps[T]) -> T:
         run = _Run(steps)
@@ -589,11 +589,14 @@ class AsyncGateway(_GatewayBase):
                 run.sent = await self._perform(run.step)
         return run.result  # type: ignore[no-any-return]
 
-    async def _perform(self, step: _Request | _Close) -> Any:
-        if isinstance(step, _Close):
-            closed = step.client.close()
-            return await closed if asyncio.iscoroutine(closed) else closed
-        return await self.request(step.method, step.path, json=step.json, key=step.key)
+    async def _perform(self, step: _Send | _Sleep | _Close) -> Any:
+        if isinstance(step, _Send):
+            return await self._http.request(step.method, step.url, json=step.json, headers=step.headers,
+                                            params=step.params)
+        if isinstance(step, _Sleep):
+            return await asyncio.sleep(step.seconds)
+        closed = step.client.close()  # openai.OpenAI's is plain, AsyncOpenAI's a coroutine
+        return await closed if asyncio.iscoroutine(closed) else closed
 
     async def model(self) -> str:
         """The served model's name (first of ``GET /v1/models``), asked once."""
