@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from gateway.context import services
+from gateway.episodes.ui import with_threads
 from gateway.errors import (
     AuthenticationFailed,
     GatewayError,
@@ -223,8 +224,9 @@ async def sessions_page(request: Request) -> Response:
 
 @router.get("/sessions/{session_id}")
 async def session_page(session_id: str, request: Request) -> Response:
-    return await _page(request, "session.html", lambda: views.session_detail(
-        services(request).store, session_id, _export_settings(request)))
+    store = services(request).store
+    return await _page(request, "session.html", lambda: with_threads(store, session_id, views.session_detail(
+        store, session_id, _export_settings(request))))  # with the episode's threads (issue 33)
 
 
 @router.get("/sessions/{session_id}/turns/{turn_id}/tokens")

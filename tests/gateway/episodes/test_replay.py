@@ -19,7 +19,7 @@ import uvicorn
 from agentrl.trajectory import export_session, turn_from_interaction
 from gateway.episodes import compaction, table
 from tests.conftest import REDIS_URL, free_port
-from tests.gateway.episodes.conftest import AGENT, Gw
+from tests.gateway.episodes.conftest import ADMIN, AGENT, Gw
 from tests.gateway.episodes.replay import Replayer, load, role_of, scripted_replies, sse_events
 
 
@@ -276,3 +276,26 @@ async def test_the_threads_of_a_session_are_shown(episode_gw: Any) -> None:
         other = await gw.admin("POST", "/v1/sessions", {})
         resp = await gw.http.get(f"/v1/sessions/{sid}/threads", headers={"Authorization": f"Bearer {other['api_key']}"})
         assert resp.status_code in (403, 404)
+
+
+async def test_the_session_page_draws_threads_and_both_edges(episode_gw: Any) -> None:
+    """A Claude run with a sub-agent and a Codex run with a compaction, on the trace viewer's session page."""
+    for name, edge in (("A1_claude_subagent.jsonl", "spawned_by"), ("B1_codex_compact_local_midturn.jsonl",
+                                                                      "compacted_from")):
+        rows = load(name)
+        async with episode_gw(scripted_replies(rows)) as gw:
+            player = await replay(gw, rows)
+            sid, turns, threads = await episode(gw, player.answers)
+            resp = await gw.http.get(f"/ui/sessions/{sid}", headers={"Authorization": f"Bearer {ADMIN}"})
+            assert resp.status_code == 200, resp.text[:500]
+            page = resp.text
+            section = page[page.index('id="threads"'):page.index("Rows export will produce")]
+            child = next(r for r in threads.values() if r.edge == edge)
+            assert f'class="edge {edge}"' in section and f'data-thread="{child.thread}"' in section
+            assert f'href="#turn-{child.from_turn}"' in section and 'link-confirmed' in section
+            # the child segment is drawn inside its parent's list
+            parent_at = section.index(f'data-thread="{child.from_thread}" data-segment="{child.from_segment}"')
+            child_at = section.index(f'data-thread="{child.thread}" data-segment="{child.segment}"')
+            assert parent_at < child_at and "<ul>" in section[parent_at:child_at]
+            assert section.count("<li") == len(threads)
+            assert page.count("thread-badge") == len(turns)
