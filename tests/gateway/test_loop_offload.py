@@ -50,6 +50,36 @@ def test_canonical_pieces_join_to_canonical_json_and_hash_the_same() -> None:
     assert normalize._link_uncached("", big) == hashlib.sha256(whole).hexdigest()
 
 
+def test_a_body_of_long_strings_parses_slice_by_slice_to_the_same_value() -> None:
+    """Escapes (surrogate pairs with ensure_ascii), multi-byte UTF-8 and quotes at every slice boundary's
+    neighbourhood: the sliced parse gives orjson's value; a malformed body gets the one-call parse's error."""
+    import json
+
+    import orjson
+
+    rng = random.Random(7)
+    alphabet = 'ab"\\\n\t\x01é😀\u2028</ xyz'
+
+    def text(n: int) -> str:
+        return "".join(rng.choice(alphabet) for _ in range(n))
+
+    for i in range(12):
+        doc = {"model": "m", "n": [1, 2.5, None, True], "k": {"x": text(10)},
+               "messages": [{"role": "user", "content": text(rng.randint(300_000, 700_000))},
+                            {"role": "assistant", "content": text(280_000)}]}
+        for ascii_only in (True, False):
+            raw = json.dumps(doc, ensure_ascii=ascii_only).encode()
+            sliced = jsonio._loads_sliced(raw)
+            assert sliced is not jsonio._UNSLICED, i  # the sliced path was taken
+            assert sliced == orjson.loads(raw) == doc, i
+            assert jsonio.loads(raw) == doc
+    raw = json.dumps({"messages": [{"role": "user", "content": "word " * 400_000}]}).encode()
+    with pytest.raises(UnicodeDecodeError):
+        jsonio.loads(raw[:-10] + b"\xff" + raw[-9:])
+    with pytest.raises(ValueError, match="Expecting"):  # json's own message, as before
+        jsonio.loads(raw[:-2])
+
+
 def test_long_digit_runs_are_found_across_scan_slices() -> None:
     edge = jsonio._SCAN_SLICE - 10  # a run of 19 digits across the first slice's end
     assert jsonio._has_long_digits(b'{"a":"' + b"x" * edge + b"1" * 19 + b'"}')
