@@ -432,11 +432,11 @@ def engine_url(tmp_path_factory):
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "agentrl", "engine", "--model", "tiny", "--port", str(port),
-                                 "--device", "cpu", "--max-running-requests", "4"],
+                                 "--device", "cpu", "--max-running-requests", "4", "--test-hooks"],
                                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 180  # a hang guard: the start imports torch, slow on a loaded machine
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"agentrl engine exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
@@ -446,7 +446,7 @@ def engine_url(tmp_path_factory):
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"agentrl engine not healthy after 90 s:\n{log.read_text()[-3000:]}")
+                pytest.fail(f"agentrl engine not healthy after 180 s:\n{log.read_text()[-3000:]}")
             time.sleep(0.3)
         yield url
     finally:
@@ -519,17 +519,20 @@ def test_engine_stream_and_abort_match_sglang(engine_url):
 
     import threading
 
+    from tests.engine_hooks import held_decoding, wait_for, wait_held
+
     reader = threading.Thread(target=read_stream)
-    reader.start()
     try:
-        deadline = time.monotonic() + 30
-        while len(events) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(events) >= 3, "the engine streamed nothing"
-        paused = post(engine_url, "/pause_generation", {"mode": "abort"})
-        assert paused.status_code == 200
-        assert_same_shape(shape(paused.json()), shape(fixture("pause_generation")["body"]))
-        reader.join(30)
+        # the story is held at 3 tokens (--test-hooks) when the pause aborts it: a 2,000-token story can end
+        # within seconds on a fast machine, so a pause after "3 events" could come too late
+        with held_decoding(engine_url, 3):
+            reader.start()
+            wait_held(engine_url)
+            wait_for(lambda: len(events) >= 3, "three streamed events")
+            paused = post(engine_url, "/pause_generation", {"mode": "abort"})
+            assert paused.status_code == 200
+            assert_same_shape(shape(paused.json()), shape(fixture("pause_generation")["body"]))
+            reader.join(120)
     finally:
         cont = post(engine_url, "/continue_generation", {})
         reader.join(30)
