@@ -1,21 +1,21 @@
 """The durable conversation store: sessions, turn trees, rewards (SQL) and shared hot state (Redis).
 
-Public API: ``Store``, the records in ``gateway.store.api`` and the errors in ``gateway.store.errors``.
+Public API: ``Store`` (``api``, in parts: ``sessions``, ``turns``, ``rewards`` over ``caches``), the
+records (``records``), the errors (``errors``); ``backend`` is what differs between SQLite and PostgreSQL.
 """
 
-from gateway.store.api import (
+from gateway.store.api import Store
+from gateway.store.records import (
     SESSION_STATUSES,
     CommitStats,
-    Continued,
     GroupRecord,
     Interaction,
-    Marker,
     NewSession,
     ParentMatch,
     RewardRecord,
     SessionRecord,
-    Store,
 )
+from gateway.store.redis_state import Continued, Marker
 from gateway.store.errors import Conflict, InvalidValue, NotFound, StoreError, StoreUnavailable
 
 __all__ = [

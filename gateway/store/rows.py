@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import secrets
+import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,3 +109,22 @@ def reward_from_row(row: Mapping[Any, Any]) -> RewardRecord:
         source=row["source"],
         created_at=row["created_at"],
     )
+
+
+def hash_key(api_key: str) -> str:
+    """The SHA-256 (hex) under which a session's api key is stored and cached."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def new_session_row(
+    *, group_id: str | None, task_id: str | None, metadata: dict[str, Any] | None, session_id: str | None = None
+) -> tuple[dict[str, Any], str]:
+    """The SQL row of a new active session, and its plain api key (only its hash is stored)."""
+    metadata = dict(metadata or {})
+    sid = session_id or f"sess-{uuid.uuid4().hex}"
+    api_key = f"sk-agentrl-{secrets.token_urlsafe(32)}"
+    now = time.time()
+    row = {"id": sid, "key_hash": hash_key(api_key), "group_id": group_id or sid, "task_id": task_id,
+           "meta": metadata, "status": "active", "is_eval": metadata.get("eval") is True, "reward": None,
+           "version": 0, "created_at": now, "finished_at": None, "last_activity_at": now}
+    return row, api_key

@@ -12,7 +12,7 @@ from agentrl.trajectory import decode_batch
 from gateway import errors
 from gateway.lifecycle import ExportSettings, StalenessAdmission, TrajectoryService
 from gateway.store import Interaction, Store
-from gateway.store import api as store_api
+from gateway.store import sessions as store_sessions
 from gateway.store import errors as store_errors
 
 
@@ -346,7 +346,7 @@ async def test_a_tick_moves_many_sessions_in_batches_and_releases_their_budget_o
     """Sessions that time out or go idle together are moved ``MOVE_BATCH`` at a time (a transaction each
     cost more than the turns that made them), the budget comes back in one release, and a session that
     moved on its own between the tick's read and its move is left to the next tick."""
-    monkeypatch.setattr(store_api, "MOVE_BATCH", 4)
+    monkeypatch.setattr(store_sessions, "MOVE_BATCH", 4)
     store = service.store
     stuck = [await store.create_session() for _ in range(9)]  # groups of one, no reward
     done = await session_with_turns(store, "mixed")

@@ -166,10 +166,10 @@ async def test_sqlite_writer_stores_what_sqlalchemy_stores_and_takes_turns_with_
 
         from gateway.store import schema
         from gateway.store.rows import interaction_to_row
-        from gateway.store.api import _new_session_row
+        from gateway.store.rows import new_session_row
 
         copy = interaction_to_row(turn) | {"id": "w1-copy"}
-        row, _ = _new_session_row(group_id="g", task_id=None, metadata={"implicit": True, "owner": None})
+        row, _ = new_session_row(group_id="g", task_id=None, metadata={"implicit": True, "owner": None})
         async with store.write_transaction() as conn:
             await conn.execute(sa.insert(schema.interactions).values(**copy))
             await conn.execute(sa.insert(schema.sessions).values(**row))

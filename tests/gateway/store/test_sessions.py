@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.store import Conflict, InvalidValue, NotFound, Store
-from gateway.store import api as store_api
+from gateway.store import sessions as store_sessions
 from tests.gateway.store.helpers import make_turn
 
 
@@ -37,7 +37,7 @@ async def test_a_session_read_by_key_on_sqlites_writer_equals_the_sqlalchemy_rea
     import sqlalchemy as sa
 
     from gateway.store import schema
-    from gateway.store.api import hash_key
+    from gateway.store.rows import hash_key
     from gateway.store.rows import session_from_row
 
     odd = {"eval": False, "text": "é \u2028 \"quoted\"", "nested": {"a": [1, 2.5, None, True]}, "empty": {}}
@@ -92,7 +92,7 @@ async def test_move_sessions_moves_each_one_in_expected_one_update_per_batch(
     """The lifecycle's bulk move: only sessions in ``expected`` move (each on its own, an unknown id or one in
     another status is skipped, not a Conflict), one UPDATE per ``MOVE_BATCH`` ids, versions bumped, a
     finished_at kept where it was set, and the key and id caches see the new status."""
-    monkeypatch.setattr(store_api, "MOVE_BATCH", 3)
+    monkeypatch.setattr(store_sessions, "MOVE_BATCH", 3)
     made = [await store.create_session() for _ in range(7)]
     done = await store.finish_session(session_id=made[0].id)
     watched = made[4]
