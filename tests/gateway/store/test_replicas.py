@@ -316,9 +316,11 @@ async def test_the_caller_is_answered_before_redis_answers_the_publish(pg_url: s
         await store.published()
         retry = make_turn("q1-retry", s.id, None, prompt=[1], output=[3], chain_hash="chain-q",
                           created_at=first.created_at + 1)
-        await client.execute_command("CLIENT", "PAUSE", "10000", "WRITE")
+        # Redis holds writes until the UNPAUSE below (60 s is only its own hang guard): a record answered
+        # within 30 s was answered while Redis held its publish
+        await client.execute_command("CLIENT", "PAUSE", "60000", "WRITE")
         try:
-            await asyncio.wait_for(store.record_interactions([retry]), 5)  # answered while Redis holds it
+            await asyncio.wait_for(store.record_interactions([retry]), 30)  # answered while Redis holds it
             published = asyncio.ensure_future(store.published())
             lookup = asyncio.ensure_future(store.find_parent(session_id=s.id, candidates=[(1, "chain-q")]))
             await asyncio.sleep(0.2)
