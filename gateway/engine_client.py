@@ -13,6 +13,10 @@ an engine this router paused for a weight push stays in rotation while it loads.
 generation across weight updates: ``pause`` aborts in-flight generations on the engines; the router holds
 each aborted request, and on ``resume`` re-sends it as prompt + partial output, so the caller sees one
 uninterrupted generation whose tokens carry the weight version of the segment that produced them.
+
+The wire types the gateway's modules use with the router (``SamplingParams``, ``EngineOutput``) and the
+SGLang-native client and output parser bound to the gateway's errors (``EngineClient``, ``parse_output``)
+are importable from here too, where they have always been.
 """
 
 from __future__ import annotations
