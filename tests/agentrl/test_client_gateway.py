@@ -103,3 +103,22 @@ async def test_an_error_in_the_block_abandons_the_group_on_the_gateway(gateway_f
     statuses = {s["session_id"]: s["status"] for s in described["sessions"]}
     assert statuses[group[1].session_id] == statuses[group[2].session_id] == "abandoned"
     assert [e.status for e in group] == ["finished", "abandoned", "abandoned"]
+
+
+async def test_an_episode_function_run_shows_a_progress_bar_and_reports_rewards_only(gateway_factory, capsys):  # noqa: F811
+    """`agentrl up --agent module:function` and `agentrl eval` run episodes through run_episodes: a progress
+    bar of episodes (there was none for 200 s on 2026-12-04) and a summary without accuracy fields."""
+    from agentrl.episodes import run_episodes
+
+    async def episode(client, task):
+        reply = await client.async_openai(max_retries=0).chat.completions.create(
+            model=client.model, messages=HELLO, max_tokens=2, temperature=client.temperature)
+        return 1.0 if reply.id else 0.0
+
+    gw = gateway_factory()
+    summary = await run_episodes(episode, [{"id": "t-1"}, {"id": "t-2"}], gateway=gw.base_url, key=gw.admin_key,
+                                 group_size=2, eval=True, temperature=0.0, progress=True)
+    assert summary["episodes"] == 4 and summary["failed"] == 0 and summary["mean_reward"] == 1.0
+    assert not any(key.startswith("accuracy") for key in summary)
+    bar = capsys.readouterr().err
+    assert "eval: 100%" in bar and "4/4" in bar and "reward=1.000" in bar
