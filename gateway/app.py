@@ -137,16 +137,40 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 class GatewayApp(FastAPI):
     """The FastAPI app, with the generation routes (marked ``gateway.routes.common.direct``) served straight
-    from the ASGI entry: an agent turn skips Starlette's middleware stack, the router's path matching and
-    FastAPI's dependency solving. What they did for these routes is done here: ``scope["app"]``, the
-    exception handlers (the same ones, by exception class), the request metrics. Everything else goes
-    through FastAPI as usual."""
+    from the ASGI entry: an agent turn skips Starlette's own middleware (its error and exception layers),
+    the router's path matching and FastAPI's dependency solving. What they did for these routes is done
+    here: ``scope["app"]``, the exception handlers (the same ones, by exception class), the request metrics.
+    Everything else goes through FastAPI as usual.
+
+    Middleware added with :meth:`add_middleware` wraps both paths, so it sees every request, generation
+    included (it used to skip them silently). The one exception is the app's own ``MetricsMiddleware``:
+    the direct path counts the same series inline (:meth:`_direct`), which spares each turn a wrapper of
+    ``send`` per message. With no middleware added the direct path is one call deeper than before."""
 
     metrics: Metrics
+    INLINE_MIDDLEWARE = (MetricsMiddleware,)  # what the direct path does itself (see the class docstring)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.direct_routes: dict[tuple[str, str], Any] = {}
+        self._direct_stack: Any = None  # the middleware around the direct path, built at its first request
+
+    def add_middleware(self, middleware_class: Any, *args: Any, **kwargs: Any) -> None:
+        """Starlette's ``add_middleware``; the middleware also wraps the generation routes' direct path.
+        Like Starlette's, it raises once the app has served a request."""
+        if self._direct_stack is not None:
+            raise RuntimeError("Cannot add middleware after an application has started")
+        super().add_middleware(middleware_class, *args, **kwargs)
+
+    def _direct_entry(self) -> Any:
+        """The direct path wrapped in the added middleware, outermost first as Starlette orders them."""
+        if self._direct_stack is None:
+            app: Any = self._direct_dispatch
+            for cls, args, kwargs in reversed(self.user_middleware):
+                if cls not in self.INLINE_MIDDLEWARE:
+                    app = cls(app, *args, **kwargs)
+            self._direct_stack = app
+        return self._direct_stack
 
     def include_direct_routes(self, router: APIRouter, prefix: str) -> None:
         """Note the marked routes of ``router`` (included under ``prefix``) whose path has no parameters."""
@@ -163,7 +187,8 @@ class GatewayApp(FastAPI):
             return
         endpoint = self.direct_routes.get((scope["method"], scope["path"]))
         if endpoint is not None:
-            await self._direct(endpoint, scope, receive, send)
+            scope[_DIRECT_ENDPOINT] = endpoint
+            await self._direct_entry()(scope, receive, send)
             return
         # Starlette's ServerErrorMiddleware answers an unexpected exception (our 500 handler) and then raises
         # it on to the server, and uvicorn closes the connection of a request that raised after its response
@@ -184,6 +209,9 @@ class GatewayApp(FastAPI):
                 raise  # a response cut short: the server must close the connection
             if not getattr(exc, "agentrl_answered", False):
                 log.exception("%s %s: error after the response was sent", scope["method"], scope["path"])
+
+    async def _direct_dispatch(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._direct(scope[_DIRECT_ENDPOINT], scope, receive, send)
 
     async def _direct(self, endpoint: Any, scope: Any, receive: Any, send: Any) -> None:
         scope["app"] = self
@@ -206,6 +234,9 @@ class GatewayApp(FastAPI):
             path = scope["path"]
             self.metrics.requests.labels(path, str(status)).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+
+
+_DIRECT_ENDPOINT = "agentrl.direct_endpoint"  # the scope key of the endpoint the direct path serves
 
 
 def _exception_handler(handlers: dict[Any, Any], exc: Exception) -> tuple[Any, Any]:
