@@ -14,6 +14,7 @@ A new kind is one module (see ``engines.sglang`` and ``engines.vllm``) and one r
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -27,6 +28,8 @@ from engines.vllm import VLLMClient, VLLMOps
 
 CLIENTS: dict[str, Any] = {"sglang": SGLangClient, "vllm": VLLMClient}  # the gateway's client of each kind
 OPS: dict[str, Any] = {"sglang": SGLangOps, "vllm": VLLMOps}  # the trainer's control calls of each kind
+
+log = logging.getLogger(__name__)
 
 SGLANG_PROBE = "/get_model_info"
 VLLM_PROBE = "/version"
@@ -43,8 +46,10 @@ def kind_from(sglang_status: int, vllm_status: int | None) -> str | None:
 
 
 def probe_kind(client: httpx.Client, url: str) -> str:
-    """The kind of the engine at ``url`` (synchronous, for the trainer); EngineOpsError when it cannot be
-    reached or its answers fit no kind."""
+    """The kind of the engine at ``url`` (synchronous, for the trainer, which asks once and cannot wait for a
+    server to come up as the gateway does): :func:`kind_from`, and ``sglang`` where the answers fit no kind
+    (the protocol every engine spoke before vLLM, whose own routes then report what is wrong); EngineOpsError
+    when it cannot be reached."""
     url = url.rstrip("/")
     try:
         first = client.get(url + SGLANG_PROBE, timeout=10.0).status_code
@@ -53,9 +58,9 @@ def probe_kind(client: httpx.Client, url: str) -> str:
         raise EngineOpsError(f"cannot reach engine {url}: {exc!r}") from exc
     kind = kind_from(first, second)
     if kind is None:
-        raise EngineOpsError(f"cannot tell the kind of engine {url}: GET {SGLANG_PROBE} answered {first}"
-                             + (f", GET {VLLM_PROBE} {second}" if second is not None else "")
-                             + "; pass --engine-kind sglang|vllm")
+        log.warning("engine %s: GET %s answered %d%s; taken as SGLang-native (pass --engine-kind to say)", url,
+                    SGLANG_PROBE, first, f", GET {VLLM_PROBE} {second}" if second is not None else "")
+        return "sglang"
     return kind
 
 
