@@ -6,7 +6,9 @@ prober thread sends ``GET /health`` back to back on one keep-alive connection, w
 chat request whose user message is ``--mb`` MB of words (the tiny model's vocabulary, seeded): it passes the
 size pre-check (characters / longest token < context) and is refused only once tokenized (about 3.2 M
 tokens). Reported per run: the answer's status, how long it took, and the slowest and the 99th-percentile
-``/health`` answer while it was in flight; then the medians over ``--runs`` runs (5). A ``/health`` answer
+``/health`` answer while it was in flight, next to the same for 3 s with nothing in flight just before (the
+machine's own noise: on a shared 2-core machine at a load of 8-11, an idle gateway's slowest ``/health``
+alone is 15-40 ms) and the load average; then the medians over ``--runs`` runs (5). A ``/health`` answer
 takes ~1 ms on an idle loop, so its latency is the loop's stall plus that.
 
     python bench/loop_stall.py [--runs 5] [--mb 7.9] [--context-length 131072]
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -50,6 +53,19 @@ def prompt_text(megabytes: float, seed: int = 0) -> str:
         parts.append(word)
         total += len(word) + 1
     return " ".join(parts)[:size]
+
+
+def idle_probe(base: str, seconds: float = 3.0) -> tuple[float, float]:
+    """(max, p99) of ``/health`` with nothing else in flight: this machine's noise floor at the moment."""
+    latencies: list[float] = []
+    with httpx.Client(base_url=base, timeout=60.0) as http:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            http.get("/health")
+            latencies.append((time.perf_counter() - started) * 1000.0)
+    latencies.sort()
+    return round(latencies[-1], 1), round(latencies[int(len(latencies) * 0.99)], 1)
 
 
 def one_run(base: str, body: bytes) -> dict[str, float]:
@@ -109,16 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         procs.wait_healthy(gateway, base + "/health")
         runs = []
         for i in range(args.runs):
+            idle_max, idle_p99 = idle_probe(base)
             run = one_run(base, body)
+            run.update(idle_max_ms=idle_max, idle_p99_ms=idle_p99, load=os.getloadavg()[0])
             runs.append(run)
             print(f"run {i + 1}: answer {run['status']} in {run['request_s']} s; /health while in flight: "
-                  f"max {run['health_max_ms']} ms, p99 {run['health_p99_ms']} ms ({run['probes']} probes)",
-                  flush=True)
+                  f"max {run['health_max_ms']} ms, p99 {run['health_p99_ms']} ms ({run['probes']} probes); "
+                  f"idle just before: max {idle_max} ms, p99 {idle_p99} ms; load {run['load']:.1f}", flush=True)
         db.unlink(missing_ok=True)
-    medians = {k: statistics.median(r[k] for r in runs) for k in ("health_max_ms", "health_p99_ms", "request_s")}
+    medians = {k: statistics.median(r[k] for r in runs)
+               for k in ("health_max_ms", "health_p99_ms", "request_s", "idle_max_ms", "idle_p99_ms", "load")}
     print(f"median of {args.runs} runs ({args.mb} MB prompt, context {args.context_length}): /health max "
           f"{medians['health_max_ms']:.1f} ms, p99 {medians['health_p99_ms']:.1f} ms; request "
-          f"{medians['request_s']:.2f} s")
+          f"{medians['request_s']:.2f} s; idle /health max {medians['idle_max_ms']:.1f} ms, p99 "
+          f"{medians['idle_p99_ms']:.1f} ms; load average {medians['load']:.1f}")
     if args.out is not None:
         args.out.write_text(json.dumps({"runs": runs, "medians": medians, "mb": args.mb,
                                         "context_length": args.context_length}, indent=1))
