@@ -161,7 +161,9 @@ class AdapterSet:
         return self.loaded.pop(name)
 
     def paths(self) -> dict[str, str]:
-        return {name: a.path for name, a in self.loaded.items()}
+        """Name -> where it came from; safe from the HTTP thread (``dict()`` copies in one step under the GIL while
+        the scheduler thread may be adding or removing one)."""
+        return {name: a.path for name, a in dict(self.loaded).items()}
 
     @contextlib.contextmanager
     def rows(self, names: Sequence[str | None]) -> Iterator[None]:
