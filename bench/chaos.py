@@ -103,6 +103,7 @@ class Config:
     down: tuple[float, float]
     fault_every_s: float
     stop_share: float
+    no_kill: tuple[str, ...]
     hang_s: float
     out: Path
 
@@ -267,15 +268,20 @@ class Chaos:
         return "gateway-0"
 
     async def fault(self) -> None:
-        now = time.monotonic()
-        choices = [t for t in TARGETS if t == "leader" or self.parts[t].down_until <= now]
-        target = self.rng.choice(choices)
+        """One fault on a part that is up now (the leader only if the replica leading is up)."""
+        while True:
+            now = time.monotonic()
+            choices = [t for t in TARGETS if t == "leader" or self.parts[t].down_until <= now]
+            target = self.rng.choice(choices)
+            name = await self._leader() if target == "leader" else target
+            if self.parts[name].down_until <= now:
+                break
+            await asyncio.sleep(0.1)  # the leading replica is down already (or everything is): choose again
         mode = "stop" if self.rng.random() < self.cfg.stop_share else "kill"
+        if mode == "kill" and name.split("-")[0] in self.cfg.no_kill:
+            mode = "stop"  # --no-kill: this kind is only paused (a known, reported violation otherwise)
         down_s = round(self.rng.uniform(*self.cfg.down), 2)
-        name = await self._leader() if target == "leader" else target
         part = self.parts[name]
-        if part.down_until > now:  # the leader is already down: this fault is on it again, a no-op
-            return
         part.down_until = now + down_s
         sig = signal.SIGSTOP if mode == "stop" else signal.SIGKILL
         try:
@@ -613,13 +619,15 @@ def parse(argv: list[str] | None = None) -> Config:
     p.add_argument("--down", default="1,15", help="seconds a killed part stays down: MIN,MAX")
     p.add_argument("--fault-every-s", type=float, default=10.0, help="timed form: mean seconds between faults")
     p.add_argument("--stop-share", type=float, default=0.25, help="share of faults that SIGSTOP instead of kill -9")
+    p.add_argument("--no-kill", default="", help="kinds of part only ever paused, never killed (comma-separated: "
+                   "redis, postgres, engine, gateway, trainer)")
     p.add_argument("--hang-s", type=float, default=3600.0, help="give up (a hang) after this many seconds")
     p.add_argument("--out", type=Path, default=Path("runs") / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}")
     a = p.parse_args(argv)
     seconds = a.seconds if a.seconds is not None else (None if a.faults else 600.0)
     low, high = (float(x) for x in a.down.split(","))
     return Config(a.seed, a.agents, seconds, a.faults, a.every_turns, a.turns, a.groups, (low, high),
-                  a.fault_every_s, a.stop_share, a.hang_s, a.out)
+                  a.fault_every_s, a.stop_share, tuple(k for k in a.no_kill.split(",") if k), a.hang_s, a.out)
 
 
 def main(argv: list[str] | None = None) -> int:
