@@ -44,7 +44,6 @@ from gateway.errors import (
     InvalidRequest,
     NotFound,
     StoreUnavailable,
-    anthropic_error_body,
     error_body,
     from_chat_error,
     from_store_error,
@@ -52,6 +51,7 @@ from gateway.errors import (
 from gateway.chat.errors import ChatFormatError
 from gateway.metrics import Metrics, MetricsMiddleware
 from gateway.routes import routers
+from gateway.routes.generation import format_of
 from gateway.settings import GatewaySettings
 from gateway.store import Store
 from gateway.store import errors as store_errors
@@ -60,16 +60,11 @@ from gateway.store.dberrors import translate
 log = logging.getLogger("agentrl.gateway")
 
 KEEPALIVE_EXPIRY_S = 2.0  # kept engine connections (httpx): well below uvicorn's 5 s keep-alive timeout
-ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape here
-
-
-def _anthropic_route(request: Request | None) -> bool:
-    return request is not None and request.url.path.rstrip("/").endswith(ANTHROPIC_PATHS)
-
-
 def _render(exc: GatewayError, request: Request | None = None) -> JSONResponse:
-    """The error response, in Anthropic's shape on the Messages routes and OpenAI's everywhere else."""
-    status, body = anthropic_error_body(exc) if _anthropic_route(request) else error_body(exc)
+    """The error response, in the shape of the wire format the route answers in (Anthropic's on the Messages
+    routes: ``gateway.routes.generation.use_format``) and OpenAI's everywhere else."""
+    fmt = format_of(request)
+    status, body = fmt.error_body(exc) if fmt is not None else error_body(exc)
     if status >= 500:  # an outage or an overload (a 4xx is the caller's to read): the operator's to see
         where = f"{request.method} {request.url.path}" if request is not None else "request"
         log.warning("%s: %d %s", where, status, exc.message)

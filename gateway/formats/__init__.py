@@ -8,4 +8,8 @@ tools, sampling fields) and renders the core's results (``GenerationService.run_
 stitching, recording, rewards and export never see which format a turn came in (the recorded request
 carries ``format`` for people reading the tree), so a conversation may move between formats and still link
 turn to turn as long as its history is the same conversation.
+
+The contract each format satisfies is written down in :mod:`gateway.formats.contract` (``WireFormat``),
+and one route serves all of them (``gateway.routes.generation.serve``): ``chat.CHAT``,
+``responses.RESPONSES``, ``messages.MESSAGES``.
 """

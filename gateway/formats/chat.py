@@ -17,6 +17,7 @@ from typing import Any
 from gateway.decoding import ChoiceResult, StreamDelta, logprobs_json
 from gateway.engine_client import Generation
 from gateway.errors import GatewayError, error_body
+from gateway.formats.contract import CoreRequest
 from gateway.jsonio import dumps
 from gateway.service import ChoiceRun, TurnEvent, TurnPlan
 from gateway.wire import ChatCompletionRequest, CompletionRequest
@@ -185,3 +186,30 @@ def completion_chunks(req: CompletionRequest, plan: TurnPlan, runs: list[ChoiceR
                    include_usage, None, delta_choice,
                    lambda run: {"index": run.index, "text": "", "logprobs": None, "finish_reason": _finish(run),
                                 "response_id": run.id})
+
+
+# ------------------------------------------------------------------------------ the chat wire format
+
+
+class ChatFormat:
+    """Chat completions as a :class:`gateway.formats.contract.WireFormat`: the request is the core's own."""
+
+    name = "chat"
+    request_model = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
+    def error_body(self, exc: GatewayError) -> tuple[int, dict[str, Any]]:
+        return error_body(exc)
+
+    async def to_core(self, svc: Any, who: Any, req: ChatCompletionRequest) -> CoreRequest[ChatCompletionRequest]:
+        return CoreRequest(wire=req, core=req, meta={})  # recorded as sent: nothing to note about the format
+
+    def render(self, turn: CoreRequest[Any], plan: TurnPlan, runs: list[ChoiceRun], svc: Any) -> Piece:
+        return chat_response(turn.core, plan, runs, svc.model_name, svc.tokenizer)
+
+    def stream(self, turn: CoreRequest[Any], plan: TurnPlan, runs: list[ChoiceRun], events: AsyncIterator[TurnEvent],
+               svc: Any) -> AsyncIterator[bytes]:
+        return chat_chunks(turn.core, plan, runs, events, svc.model_name, svc.tokenizer)
+
+
+CHAT = ChatFormat()

@@ -39,6 +39,7 @@ from gateway.constraints import refuse_unenforced
 from gateway.decoding import ChoiceResult, StreamDelta
 from gateway.errors import GatewayError, InvalidRequest, anthropic_error_body, from_validation_error
 from gateway.formats.common import sse, unsupported_tool
+from gateway.formats.contract import CoreRequest
 from gateway.service import ChoiceRun, TurnEvent
 from gateway.wire import ChatCompletionRequest, WireModel
 
@@ -468,3 +469,32 @@ class MessageStream:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+# -------------------------------------------------------------------------- the Messages wire format
+
+
+class MessagesFormat:
+    """Anthropic's Messages API as a :class:`gateway.formats.contract.WireFormat`: errors in Anthropic's
+    shape, ids ``msg_...``."""
+
+    name = "messages"
+    request_model = MessagesRequest
+    id_prefix = "msg_"
+
+    def error_body(self, exc: GatewayError) -> tuple[int, dict[str, Any]]:
+        return anthropic_error_body(exc)
+
+    async def to_core(self, svc: Any, who: Any, req: MessagesRequest) -> CoreRequest[MessagesRequest]:
+        conv = to_conversation(req, svc.settings.unsupported_tools == "reject")
+        return CoreRequest(wire=req, core=to_chat_request(req, conv), meta=recorded_meta(conv))
+
+    def render(self, turn: CoreRequest[Any], plan: Any, runs: list[ChoiceRun], svc: Any) -> dict[str, Any]:
+        return render_message(turn.wire, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
+
+    def stream(self, turn: CoreRequest[Any], plan: Any, runs: list[ChoiceRun], events: AsyncIterator[TurnEvent],
+               svc: Any) -> AsyncIterator[bytes]:
+        return MessageStream(turn.wire, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer).render(events)
+
+
+MESSAGES = MessagesFormat()

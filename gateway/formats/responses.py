@@ -29,6 +29,7 @@ Rendering: :func:`render_response` (a finished turn) and :class:`ResponseStream`
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -39,8 +40,10 @@ from pydantic import Field, StrictBool, StrictInt, ValidationError
 from gateway.constraints import refuse_unenforced
 from gateway.decoding import ChoiceResult, StreamDelta, logprobs_json
 from gateway.engine_client import Generation
-from gateway.errors import GatewayError, InvalidRequest, from_validation_error
-from gateway.formats.common import sse, unsupported_tool
+from gateway.episodes import compaction
+from gateway.errors import GatewayError, InvalidRequest, error_body, from_validation_error
+from gateway.formats.common import conversation_of, load_turn, sse, unsupported_tool
+from gateway.formats.contract import CoreRequest
 from gateway.service import ChoiceRun, TurnEvent
 from gateway.wire import ChatCompletionRequest, WireModel
 
@@ -512,3 +515,51 @@ def recorded_meta(conv: Conversation) -> dict[str, Any]:
     if conv.namespaces:
         meta["namespaces"] = conv.namespaces
     return meta
+
+
+# ------------------------------------------------------------------------- the Responses wire format
+
+
+class ResponsesFormat:
+    """The OpenAI Responses API as a :class:`gateway.formats.contract.WireFormat`: ids ``resp_...``; a
+    ``previous_response_id`` brings the stored conversation it continues; a remote compaction request
+    (``gateway.episodes.compaction``) is answered with one compaction item."""
+
+    name = "responses"
+    request_model = ResponsesRequest
+    id_prefix = "resp_"
+
+    def error_body(self, exc: GatewayError) -> tuple[int, dict[str, Any]]:
+        return error_body(exc)
+
+    async def to_core(self, svc: Any, who: Any, req: ResponsesRequest) -> CoreRequest[ResponsesRequest]:
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            previous = await load_turn(svc.store, who, req.previous_response_id, "previous_response_id")
+            history = await conversation_of(svc.store, previous, "previous_response_id")
+        prepared, compacting = compaction.prepare(req)  # remote compaction v2 items
+        conv = to_conversation(prepared, history, svc.settings.unsupported_tools == "reject")
+        if compacting:
+            conv.tool_choice = "none"
+        return CoreRequest(wire=req, core=to_chat_request(prepared, conv), meta=recorded_meta(conv),
+                           state={"request": prepared, "conversation": conv, "compacting": compacting,
+                                  "created": time.time()})
+
+    def render(self, turn: CoreRequest[Any], plan: Any, runs: list[ChoiceRun], svc: Any) -> dict[str, Any]:
+        req, created = turn.state["request"], turn.state["created"]
+        if turn.state["compacting"]:
+            return compaction.render(_THIS, req, runs[0], len(plan.prompt), svc.model_name, created)
+        return render_response(req, turn.state["conversation"], runs[0], len(plan.prompt), svc.model_name,
+                               svc.tokenizer, created)
+
+    def stream(self, turn: CoreRequest[Any], plan: Any, runs: list[ChoiceRun], events: AsyncIterator[TurnEvent],
+               svc: Any) -> AsyncIterator[bytes]:
+        req = turn.state["request"]
+        if turn.state["compacting"]:
+            return compaction.stream(_THIS, req, runs[0], len(plan.prompt), svc.model_name, events)
+        return ResponseStream(req, turn.state["conversation"], runs[0], len(plan.prompt), svc.model_name,
+                              svc.tokenizer).render(events)
+
+
+_THIS = sys.modules[__name__]  # compaction renders with this module's item and response builders
+RESPONSES = ResponsesFormat()

@@ -1,57 +1,39 @@
 """Anthropic's Messages API: ``POST /v1/messages`` (stream and not; ``?beta=true`` too),
 ``POST /v1/messages/count_tokens``, and ``HEAD /`` (clients probe it before their first request).
 
-Thin: parse (``gateway.formats.messages``), bind the session as chat completions do (the key may come as
-``x-api-key``), run the conversation core and render a ``Message`` or its event stream. Errors on these
-routes are rendered in Anthropic's shape by the app's error handlers (``gateway.app.ANTHROPIC_PATHS``).
+``POST /v1/messages`` is the Messages wire format (``gateway.formats.messages.MessagesFormat``: the key may
+come as ``x-api-key``) served by the one generation route (``gateway.routes.generation.serve``). Errors on
+these routes are answered in Anthropic's shape: the routes note their format on the request
+(``gateway.routes.generation.use_format``) and the app's error path asks it for the body.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from gateway.binding import session_for
 from gateway.chat.errors import ChatFormatError
 from gateway.chat.normalize import validate_messages
 from gateway.context import services
-from gateway.episodes import link_request
 from gateway.errors import from_chat_error
 from gateway.formats import messages as fmt
-from gateway.routes.common import SSE_HEADERS, caller, direct, json_body, json_response, read_json, unless_disconnected
-from gateway.service import GenerationService
+from gateway.routes.common import caller, direct, json_body, json_response, read_json
+from gateway.routes.generation import serve, use_format
 
 router = APIRouter()
+
 
 @router.post("/v1/messages", openapi_extra=json_body(fmt.MessagesRequest))
 @direct
 async def create_message(request: Request) -> Response:
-    svc = services(request)
-    who = await caller(request, defer=True)
-    req = await read_json(request, fmt.MessagesRequest)
-    session = await session_for(who, request.path_params.get("session_id"), svc.store)
-    conv = fmt.to_conversation(req, svc.settings.unsupported_tools == "reject")
-    chat = fmt.to_chat_request(req, conv)
-    link = await link_request(request, svc, who, session, req, "messages")  # sub-agents, compaction: issue 33
-    service = GenerationService(svc, owner=who.owner)
-    if req.stream:
-        plan, runs, events = await unless_disconnected(
-            request, service.stream_turn(chat, link.session, id_prefix="msg_", meta=link.meta(fmt.recorded_meta(conv))))
-        stream = fmt.MessageStream(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)
-        return StreamingResponse(stream.render(link.watch(events, runs)), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    plan, runs = await unless_disconnected(
-        request, service.run_turn(chat, link.session, id_prefix="msg_", meta=link.meta(fmt.recorded_meta(conv))))
-    await link.recorded(runs)
-    return json_response(fmt.render_message(req, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer))
+    return await serve(request, fmt.MESSAGES)
 
 
 @router.post("/v1/messages/count_tokens", openapi_extra=json_body(fmt.CountTokensRequest))
 async def count_tokens(request: Request) -> Response:
     """The prompt's tokens as a root turn would render them (a continuation reuses its parent's tokens, so
     a long conversation may count a few tokens differently)."""
+    use_format(request, fmt.MESSAGES)  # errors in Anthropic's shape
     svc = services(request)
     await caller(request)
     req = await read_json(request, fmt.CountTokensRequest)

@@ -1,10 +1,10 @@
-"""OpenAI-compatible routes: chat completions, completions, models."""
+"""OpenAI-compatible routes: chat completions (the chat wire format, served by ``routes.generation.serve``),
+text completions, models."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,54 +12,40 @@ from fastapi.responses import Response, StreamingResponse
 
 from gateway.binding import session_for
 from gateway.context import services
-from gateway.episodes import link_request
 from gateway.errors import InvalidRequest, NotFound
 from gateway.formats import chat
 from gateway.routes.common import SSE_HEADERS, caller, direct, json_body, json_response, read_json, unless_disconnected
+from gateway.routes.generation import serve
 from gateway.service import GenerationService
 from gateway.wire import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
 
-async def _generate(request: Request, model: type[ChatCompletionRequest] | type[CompletionRequest],
-                    plain: Callable[..., dict[str, Any]], stream: Callable[..., AsyncIterator[bytes]]) -> Response:
-    """Parse, bind the caller's session, run the conversation core and render its result (``plain``) or
-    its events (``stream``) in the chat / text completion format."""
-    svc = services(request)
-    who = await caller(request, defer=model is ChatCompletionRequest)  # a chat turn reads a session key's
-    #                                                                   record with its first Redis call
-    req = await read_json(request, model)
-    session = await session_for(who, request.path_params.get("session_id"), svc.store)
-    if isinstance(req, CompletionRequest) and len(req.prompts) > 1:
-        return await _completion_batch(request, req, session, who.owner)
-    service = GenerationService(svc, owner=who.owner)
-    link = None  # X-AgentRL-Parent-Response: a thread of another response's episode (issue 33)
-    if isinstance(req, ChatCompletionRequest):
-        link = await link_request(request, svc, who, session, req, "chat")
-        session = link.session
-    meta = link.meta({}) if link is not None else None
-    if req.stream:
-        plan, runs, events = await unless_disconnected(request, service.stream_turn(req, session, meta=meta))
-        if link is not None:
-            events = link.watch(events, runs)
-        return StreamingResponse(stream(req, plan, runs, events, svc.model_name, svc.tokenizer),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-    plan, runs = await unless_disconnected(request, service.run_turn(req, session, meta=meta))
-    if link is not None:
-        await link.recorded(runs)
-    return json_response(plain(req, plan, runs, svc.model_name, svc.tokenizer))
-
 
 @router.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 @direct
 async def chat_completions(request: Request) -> Response:
-    return await _generate(request, ChatCompletionRequest, chat.chat_response, chat.chat_chunks)
+    return await serve(request, chat.CHAT)
 
 
 @router.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
 @direct
 async def completions(request: Request) -> Response:
-    return await _generate(request, CompletionRequest, chat.completion_response, chat.completion_chunks)
+    """Text completions: not a conversation, so not a wire format of the generic route (``serve``): a
+    ``prompt`` list runs one turn per prompt, and no episode links a completion."""
+    svc = services(request)
+    who = await caller(request)
+    req = await read_json(request, CompletionRequest)
+    session = await session_for(who, request.path_params.get("session_id"), svc.store)
+    if len(req.prompts) > 1:
+        return await _completion_batch(request, req, session, who.owner)
+    service = GenerationService(svc, owner=who.owner)
+    if req.stream:
+        plan, runs, events = await unless_disconnected(request, service.stream_turn(req, session))
+        return StreamingResponse(chat.completion_chunks(req, plan, runs, events, svc.model_name, svc.tokenizer),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    plan, runs = await unless_disconnected(request, service.run_turn(req, session))
+    return json_response(chat.completion_response(req, plan, runs, svc.model_name, svc.tokenizer))
 
 
 async def _completion_batch(request: Request, req: CompletionRequest, session: Any, owner: str | None
