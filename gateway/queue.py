@@ -11,16 +11,21 @@ Semantics (both backends):
   (every lifecycle tick) publishes what was staged but never published (the exporter died in between).
   SQL: staging *is* the enqueue (one transaction), publish only wakes waiters. Redis: staging writes the
   group to the SQL table as ``status='outbox'`` (a transactional outbox); publish adds it to the stream
-  (one Lua script: dedup key + stream entry, so a group is never added twice) and deletes the outbox row.
+  (one Lua script: dedup key + stream entry, so a group is never added twice) and marks the row
+  ``published``. The row stays until the group is acknowledged (or dropped as too stale), because Redis
+  is state "that can be rebuilt from SQL" (DESIGN.md): a Redis restarted without its data (kill -9 with no
+  AOF/RDB, an OOM kill, a failover to an empty replica) has lost the stream, the held groups and the
+  dedup keys. Deleting the row at publish lost every waiting group then (the chaos bench, issue 36: 145
+  of 155 exported groups over three Redis kills). See :meth:`RedisQueue.sweep` for the rebuild.
 * ``lease(max_groups, wait_s)`` waits up to ``wait_s`` for ``max_groups`` available groups, then claims
   what is there (at least one, else returns None) under a fresh lease id that expires ``lease_timeout_s``
   later. Available = never leased, or leased under a lease that expired (at-least-once re-delivery).
   Groups whose oldest token version is below ``min_version`` are moved aside as *held* instead of being
   leased (staleness control); ``maintain`` re-queues held groups that became admissible again and drops
   those held longer than a configured age.
-* ``ack(lease_id)`` removes the lease's groups for good. An unknown lease raises NotFound (404); an
-  expired or already acknowledged lease raises Conflict (409) and acknowledges nothing, so no group is
-  ever acknowledged twice.
+* ``ack(lease_id)`` removes the lease's groups for good (Redis: their SQL rows too). An unknown lease
+  raises NotFound (404); an expired or already acknowledged lease raises Conflict (409) and acknowledges
+  nothing, so no group is ever acknowledged twice.
 
 Backends: :class:`SqlQueue` (tables of migration ``0002_trajectories``; claims are one conditional UPDATE,
 safe with several gateway processes on PostgreSQL) and :class:`RedisQueue` (a Redis stream with a consumer
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -51,8 +57,11 @@ from gateway.store.backend import Backend
 queue_table = schema.trajectory_queue
 lease_table = schema.trajectory_leases
 
+log = logging.getLogger(__name__)
+
 LEASE_RETENTION_S = 86_400.0  # how long a finished lease is remembered (to answer 409 rather than 404)
 POLL_S = 0.2  # how often a waiting lease looks again (other processes may have added groups)
+REBUILD_BATCH = 64  # rows read at a time when a restarted Redis gets its groups again (payloads can be MBs)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -361,6 +370,14 @@ class SqlQueue:
         return out
 
 
+def _row_group(row: Any) -> QueuedGroup:
+    """The group of a ``trajectory_queue`` row (a mapping)."""
+    return QueuedGroup(
+        group_key=row["group_key"], group_id=row["group_id"], session_ids=list(row["session_ids"]),
+        payload=bytes(row["payload"]), n_rows=row["n_rows"], n_tokens=row["n_tokens"],
+        min_version=row["min_version"], complete=bool(row["complete"]), created_at=row["created_at"])
+
+
 async def _insert(conn: Any, group: QueuedGroup, status: str) -> None:
     await conn.execute(
         queue_table.insert().values(
@@ -403,9 +420,25 @@ if #ids > 0 then
   redis.call('XACK', KEYS[2], ARGV[1], unpack(ids))
   redis.call('XDEL', KEYS[2], unpack(ids))
 end
+local keys = redis.call('HGET', KEYS[1], 'keys') or '[]'
+if ARGV[3] == '1' then
+  local list = cjson.decode(keys)
+  if #list > 0 then redis.call('SADD', KEYS[3], unpack(list)) end
+end
 redis.call('HSET', KEYS[1], 'status', 'acked')
 redis.call('XGROUP', 'DELCONSUMER', KEYS[2], ARGV[1], ARGV[2])
-return {#ids}
+return {#ids, keys}
+"""
+
+# The end of a rebuild (RedisQueue._rebuild): mark the queue whole only if the marker is still the one this
+# rebuild set, i.e. Redis did not restart again meanwhile (that would have emptied it) and no later rebuild
+# took over.
+_REBUILT_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], 'ok')
+  return 1
+end
+return 0
 """
 
 
@@ -422,11 +455,17 @@ class RedisQueue:
         self.held_meta = f"{prefix}trajq:held:meta"
         self.held_payload = f"{prefix}trajq:held:payload"
         self.keys = f"{prefix}trajq:keys"  # group keys ever queued (idempotent put)
+        # group keys acknowledged or dropped whose SQL rows are still to be deleted (see _forget)
+        self.done = f"{prefix}trajq:done"
+        # "ok" while this Redis holds every published group; absent after it lost its data (see _rebuild)
+        self.whole = f"{prefix}trajq:whole"
         self._lease_prefix = f"{prefix}trajq:lease:"
         self._waiter = _Waiter()
         self._ack = redis.register_script(_ACK_LUA)
         self._put = redis.register_script(_PUT_LUA)
+        self._rebuilt = redis.register_script(_REBUILT_LUA)
         self._group_ready = False
+        self.republished = 0  # groups published again after Redis lost them (this process's count)
 
     def notify(self) -> None:
         self._waiter.notify()
@@ -479,28 +518,96 @@ class RedisQueue:
         await _insert(conn, group, "outbox")
 
     async def publish(self, group: QueuedGroup) -> None:
-        """Add a staged group to the stream (idempotent), then drop its outbox row."""
+        """Add a staged group to the stream (idempotent), then mark its row ``published``: the row stays
+        until the ack, so that a Redis that loses its data can be given the group again."""
         await self.put(group)
         assert self.engine is not None
         q = queue_table
         async with self._translate("publish"):
             async with self.engine.begin() as conn:
-                await conn.execute(q.delete().where(q.c.group_key == group.group_key, q.c.status == "outbox"))
+                await conn.execute(q.update().where(q.c.group_key == group.group_key, q.c.status == "outbox")
+                                   .values(status="published"))
 
     async def sweep(self) -> int:
-        """Publish every group left in the outbox (its exporter died between commit and publish)."""
+        """The SQL side's upkeep (the lifecycle leader's, every few seconds): delete the rows of groups
+        acknowledged or dropped whose delete failed then, publish every group left in the outbox (its
+        exporter died between commit and publish; their number is returned), and publish again every
+        ``published`` group if Redis lost the queue (:meth:`_rebuild`)."""
         if self.engine is None:
             return 0
         q = queue_table
         async with self._translate("sweep"):
+            await self._forget(await self.redis.smembers(self.done))
             async with self.engine.connect() as conn:
                 rows = (await conn.execute(sa.select(q).where(q.c.status == "outbox").order_by(q.c.id))).mappings().all()
         for row in rows:
-            await self.publish(QueuedGroup(
-                group_key=row["group_key"], group_id=row["group_id"], session_ids=list(row["session_ids"]),
-                payload=bytes(row["payload"]), n_rows=row["n_rows"], n_tokens=row["n_tokens"],
-                min_version=row["min_version"], complete=bool(row["complete"]), created_at=row["created_at"]))
+            await self.publish(_row_group(row))
+        await self._rebuild()
         return len(rows)
+
+    async def _rebuild(self) -> None:
+        """Publish again every ``published`` group when Redis no longer holds the queue.
+
+        The key ``whole`` says "ok" while Redis holds every published group; a Redis restarted without its
+        data has none. Then every ``published`` row is put again with the same group key and payload
+        through the dedup script, whose dedup set is the new Redis's own: a second replica rebuilding at
+        the same moment, or a group published again meanwhile, adds nothing twice. A group acknowledged
+        before has no row (the ack deletes it), so it never comes back. ``whole`` becomes "ok" only if
+        the marker is still this rebuild's: a Redis that restarted again during the rebuild is rebuilt
+        by the next sweep."""
+        assert self.engine is not None
+        q = queue_table
+        again = 0
+        async with self._translate("rebuild"):
+            if await self.redis.get(self.whole) in (b"ok", "ok"):
+                return
+            token = uuid.uuid4().hex
+            await self.redis.set(self.whole, token)
+            self._group_ready = False  # the consumer group went with the data: create it before adding
+            await self._ensure_group()
+            after = 0
+            while True:
+                async with self.engine.connect() as conn:
+                    rows = (await conn.execute(
+                        sa.select(q).where(q.c.status == "published", q.c.id > after).order_by(q.c.id)
+                        .limit(REBUILD_BATCH))).mappings().all()
+                for row in rows:
+                    group = _row_group(row)
+                    again += int(await self._put(keys=[self.keys, self.stream],
+                                                 args=[group.group_key, group._meta_json(), group.payload]))
+                if len(rows) < REBUILD_BATCH:
+                    break
+                after = rows[-1]["id"]
+            await self._rebuilt(keys=[self.whole], args=[token])
+        if again:
+            self.republished += again
+            log.warning("Redis had lost the trajectory queue (restarted without its data?): published %d "
+                        "group(s) again from SQL", again)
+            self.notify()
+
+    async def _forget(self, keys: Any) -> None:
+        """Delete the SQL rows of groups acknowledged or dropped (``keys``), then their entries in the
+        ``done`` set. The ack and the drop add the keys to ``done`` in the same Redis step as themselves,
+        so a delete that fails (the database is down) is done again by the next sweep rather than leaving
+        a row that a later rebuild would publish again."""
+        names = sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
+        if not names or self.engine is None:
+            return
+        q = queue_table
+        async with self.engine.begin() as conn:
+            await conn.execute(q.delete().where(q.c.group_key.in_(names), q.c.status.in_(("outbox", "published"))))
+        await self.redis.srem(self.done, *names)
+
+    async def _forget_soon(self, keys: list[str]) -> None:
+        """:meth:`_forget` now if the database answers, else on the next sweep (the keys wait in ``done``):
+        the ack or drop itself already happened in Redis and must be reported as done."""
+        import redis.exceptions
+
+        try:
+            await self._forget(keys)
+        except (SQLAlchemyError, OSError, redis.exceptions.RedisError) as exc:
+            log.warning("the SQL rows of %d acknowledged or dropped group(s) are left to the next sweep: %s",
+                        len(keys), exc)
 
     def _group_of(self, fields: dict[bytes, bytes], deliveries: int = 0) -> QueuedGroup:
         return QueuedGroup._from_meta(json.loads(fields[b"meta"]), bytes(fields[b"payload"]), deliveries)
@@ -564,6 +671,7 @@ class RedisQueue:
             await self.redis.hset(key, mapping={
                 "status": "open", "deadline_ms": deadline_ms,
                 "ids": json.dumps([i.decode() if isinstance(i, bytes) else i for i in ids]),
+                "keys": json.dumps([group.group_key for _, group in got]),  # the ack deletes their SQL rows
             })
             await self.redis.expire(key, int(self.lease_timeout_s + LEASE_RETENTION_S))
         groups = []
@@ -575,7 +683,9 @@ class RedisQueue:
     async def ack(self, lease_id: str) -> int:
         async with self._translate("ack"):
             await self._ensure_group()
-            (code,) = await self._ack(keys=[self._lease_prefix + lease_id, self.stream], args=[self.GROUP, lease_id])
+            reply = await self._ack(keys=[self._lease_prefix + lease_id, self.stream, self.done],
+                                    args=[self.GROUP, lease_id, "1" if self.engine is not None else "0"])
+        code = int(reply[0])
         if code == -1:
             raise errors.NotFound(f"no lease {lease_id!r} (never issued, or forgotten after a day)")
         if code == -2:
@@ -584,11 +694,14 @@ class RedisQueue:
             raise errors.Conflict(
                 f"lease {lease_id} expired before its ack; its groups return to the queue "
                 "(lease again, and ack within the lease timeout)", code="lease_expired")
-        return int(code)
+        if self.engine is not None:
+            await self._forget_soon(json.loads(reply[1]))
+        return code
 
     async def maintain(self, *, min_version: int | None, max_held_s: float) -> Maintenance:
         out = Maintenance()
         now = time.time()
+        dropped: list[str] = []
         async with self._translate("maintenance"):
             await self._ensure_group()
             held = await self.redis.hgetall(self.held_meta)
@@ -596,8 +709,16 @@ class RedisQueue:
                 meta = json.loads(raw)
                 held_at = meta.pop("held_at")
                 if held_at < now - max_held_s:
-                    if await self.redis.hdel(self.held_meta, key):
-                        await self.redis.hdel(self.held_payload, key)
+                    # the HDEL picks one replica to count the drop; ``done`` has the SQL row deleted too (else
+                    # a rebuild would publish the dropped group again and its budget be given back twice)
+                    async with self.redis.pipeline(transaction=True) as pipe:
+                        pipe.hdel(self.held_meta, key)
+                        pipe.hdel(self.held_payload, key)
+                        if self.engine is not None:
+                            pipe.sadd(self.done, key)
+                        won = (await pipe.execute())[0]
+                    if won:
+                        dropped.append(meta["group_key"])
                         out.dropped_groups += 1
                         out.dropped_rows += meta["n_rows"]
                         out.dropped_sessions += len(meta["session_ids"])
@@ -608,6 +729,8 @@ class RedisQueue:
                         await self._add(QueuedGroup._from_meta(meta, bytes(payload)))
                         out.requeued += 1
             await self._forget_idle_consumers()
+        if dropped and self.engine is not None:
+            await self._forget_soon(dropped)
         if out.requeued:
             self.notify()
         return out
@@ -636,6 +759,14 @@ class RedisQueue:
                 out.held += 1
                 out.held_rows += meta["n_rows"]
                 out.pending_ids.update(meta["session_ids"])
+            if self.engine is not None:
+                # the SQL rows are the groups not yet trained even when Redis lost them (until the rebuild);
+                # a set, so a group both here and in the stream is counted once (the staleness budget)
+                q = queue_table
+                async with self.engine.connect() as conn:
+                    for (ids,) in await conn.execute(
+                            sa.select(q.c.session_ids).where(q.c.status.in_(("outbox", "published")))):
+                        out.pending_ids.update(ids)
         return out
 
     async def _iter_entries(self, batch: int = 512) -> AsyncIterator[dict[bytes, bytes]]:
