@@ -62,7 +62,7 @@ class TrainerSettings:
     # LoRA (docs/lora.md): train a peft adapter on the frozen base instead of every weight; pushes send the adapter
     lora_rank: int = field(default=0, metadata=_h("train a LoRA adapter of this rank on the frozen base model (0 = full fine-tuning); only the adapter gets gradients and optimizer state, and only it is pushed and checkpointed (peft's layout)"))
     lora_alpha: float = field(default=32.0, metadata=_h("LoRA scaling numerator: the adapter adds lora_alpha / lora_rank x B A x"))
-    lora_targets: list[str] = field(default_factory=lambda: ["all-linear"], metadata=_h("module names to adapt (e.g. q_proj v_proj), or all-linear (every linear layer of the decoder, not the LM head)"))
+    lora_targets: list[str] = field(default_factory=lambda: ["all-linear"], metadata=_h("comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear (every linear layer of the decoder, not the LM head)"))
     lora_name: str = field(default="policy", metadata=_h("the adapter's name on the engines (/load_lora_adapter lora_name; requests name it as lora_path)"))
 
     # weights out
@@ -144,7 +144,7 @@ class TrainerSettings:
         if self.lora_rank and not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
             raise SettingsError(f"lora_alpha={self.lora_alpha}: use a positive scale, e.g. --lora-alpha 32")
         if self.lora_rank and not self.lora_targets:
-            raise SettingsError("lora_targets is empty: give module names (e.g. --lora-targets q_proj v_proj) or all-linear")
+            raise SettingsError("lora_targets is empty: give module names (e.g. --lora-targets q_proj,v_proj) or all-linear")
         if self.lora_rank and self.sync_mode == "broadcast":
             raise SettingsError(
                 "--lora-rank with --sync-mode broadcast: adapters are pushed by disk (/load_lora_adapter) or by tensor "

@@ -59,7 +59,7 @@ def resolve_targets(model: torch.nn.Module, targets: Sequence[str]) -> list[str]
             raise ValueError(f"--lora-targets {target!r}: the decoder layers have no linear module of that name; "
                              f"valid: {ALL_LINEAR}, {', '.join(linear)}")
     if not wanted:
-        raise ValueError("--lora-targets is empty: give module names such as q_proj v_proj, or all-linear")
+        raise ValueError("--lora-targets is empty: give module names such as q_proj,v_proj, or all-linear")
     return wanted
 
 
