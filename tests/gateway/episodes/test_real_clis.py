@@ -1,0 +1,147 @@
+"""End to end with the real CLIs (npm): Claude Code with a sub-agent, four attempts as one GRPO group run by
+``agentrl group``, rewarded by a check of the file the sub-agent wrote, exported with every episode whole.
+
+The gateway runs in-process on a real socket (the CLIs are separate processes), over scripted stand-ins
+chosen by the prompt (``tests/gateway/episodes/clis.py``): the main agent's task gets an ``Agent`` call,
+the sub-agent's task a ``Bash`` call writing ``hello.txt`` (``hi`` for attempts 1 and 3, ``bye`` for 2 and
+4, so that the group has a reward spread), and a tool result a final text. Skips, saying why, where npm
+cannot install the CLIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from agentrl.cli import build_parser
+from agentrl.group import GroupRun, check
+from agentrl.trajectory import decode_batch
+from gateway.app import create_app
+from gateway.episodes import table
+from gateway.settings import GatewaySettings
+from tests.conftest import free_port
+from tests.gateway.episodes.clis import ByPrompt, installed_clis
+from tests.gateway.episodes.conftest import ADMIN, AGENT, tokenizer  # noqa: F401 (fixture)
+from tests.standin import build_app
+
+CONTEXT = 131072
+TASK = "SUBTASK-7f3a: create a file hello.txt in the current directory containing exactly hi, then report done."
+PROMPT = ("Use a sub-agent (the Agent tool) to create a file named hello.txt in the current directory containing "
+          "exactly the word hi, then reply done.")
+
+
+def call(name: str, arguments: dict[str, Any]) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+REPLIES = {
+    "agent": "I'll delegate this to a sub-agent.\n" + call("Agent", {"description": "Create hello file", "prompt": TASK,
+                                                                     "subagent_type": "general-purpose"}),
+    "bash_hi": call("Bash", {"command": "printf 'hi\\n' > hello.txt", "description": "Create hello.txt"}),
+    "bash_bye": call("Bash", {"command": "printf 'bye\\n' > hello.txt", "description": "Create hello.txt"}),
+    "done": "Done.",
+}
+
+
+class Script:
+    """Which reply a prompt gets: a thread that has answered before (an assistant turn before the one being
+    generated) is done; a thread's first turn calls ``Bash`` if its task is the sub-agent's, else ``Agent``
+    (the CLIs add reminders and system messages after tool results, so the prompt's structure is read, not
+    its last message)."""
+
+    def __init__(self) -> None:
+        self.bash = 0
+
+    def __call__(self, prompt: str) -> str:
+        if prompt.count("<|im_start|>assistant") > 1:
+            return "done"
+        if TASK in prompt:
+            self.bash += 1
+            return "bash_hi" if self.bash % 2 else "bash_bye"
+        return "agent"
+
+
+@asynccontextmanager
+async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path) -> AsyncIterator[tuple[str, Any, ByPrompt]]:
+    engine = ByPrompt({k: build_app(str(tiny_model_dir), [v], tokenizer=tok, context_length=CONTEXT)
+                       for k, v in REPLIES.items()}, tok, Script())
+    settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
+                               admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600, context_length=CONTEXT)
+    settings.validate()
+    async with httpx.AsyncClient(transport=engine, timeout=120) as engine_http:
+        app = create_app(settings, http=engine_http, tokenizer=tok)
+        async with app.router.lifespan_context(app):
+            port = free_port()
+            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                   lifespan="off"))
+            task = asyncio.create_task(server.serve())
+            try:
+                while not server.started:
+                    assert not task.done(), "the gateway did not start"
+                    await asyncio.sleep(0.05)
+                yield f"http://127.0.0.1:{port}", app, engine
+            finally:
+                server.should_exit = True
+                await task
+
+
+def claude_command(claude: str) -> list[str]:
+    """One attempt: Claude Code as the capture kit ran it, in the attempt's own home and directory."""
+    env = ("HOME=\"$AGENTRL_WORKDIR/../home\" CLAUDE_CONFIG_DIR=\"$AGENTRL_WORKDIR/../home/.claude\" TERM=dumb "
+           "DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 DISABLE_BUG_COMMAND=1 "
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_GROWTHBOOK=1 DISABLE_UPDATES=1 "
+           "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY=1 DISABLE_COST_WARNINGS=1 DISABLE_INSTALLATION_CHECKS=1 "
+           "CLAUDE_CODE_DISABLE_OFFICIAL_MARKETPLACE_AUTOINSTALL=1 CLAUDE_CODE_MAX_RETRIES=1")
+    args = " ".join(shlex.quote(a) for a in [claude, "-p", PROMPT, "--output-format", "json", "--permission-mode",
+                                              "acceptEdits", "--allowedTools", "Bash", "Write", "Edit", "Read",
+                                              "Agent", "Task", "--no-session-persistence"])
+    return ["sh", "-c", f"mkdir -p \"$AGENTRL_WORKDIR/../home\" && {env} {args}"]
+
+
+async def test_claude_code_with_a_sub_agent_four_attempts_as_a_group(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
+                                                                     tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    clis, why = await asyncio.to_thread(installed_clis)
+    if clis is None:
+        pytest.skip(f"the real CLIs are not available: {why}")
+    async with served(tiny_model_dir, tokenizer, tmp_path) as (base, app, engine):
+        args = build_parser().parse_args([
+            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "4", "--parallel", "1", "--keep",
+            "--timeout-s", "180", "--reward-cmd", "grep -qx hi hello.txt && echo 1 || echo 0", "--",
+            *claude_command(clis["claude"])])
+        status = await GroupRun(args, check(args)).run()
+        out = capsys.readouterr().out.strip().splitlines()
+        attempts = [json.loads(line) for line in out[:-1]]
+        summary = json.loads(out[-1])
+        logs = Path(summary["attempts_dir"])
+        assert status == 0, [(a, (logs / f"attempt-{a['index']}.log").read_text()[-2000:]) for a in attempts]
+        assert [a["exit_code"] for a in attempts] == [0, 0, 0, 0]
+        assert sorted(summary["rewards"]) == [0.0, 0.0, 1.0, 1.0]
+        store = app.state.services.store
+        for a in attempts:  # each attempt one episode: its main thread and the sub-agent it spawned
+            rows = await table.session_threads(store, a["session_id"])
+            kinds = sorted((r.kind, r.edge, r.status) for r in rows)
+            assert kinds == [("main", None, "root"), ("subagent", "spawned_by", "confirmed")], kinds
+        async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+            resp = await http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 30},
+                                  headers={"Authorization": f"Bearer {ADMIN}"})
+        assert resp.status_code == 200, resp.text
+        batch, meta = decode_batch(resp.content)
+        assert meta["groups"][0]["group_id"] == summary["group_id"] and meta["groups"][0]["complete"] is True
+        by_session: dict[str, set[float]] = {}
+        for row in batch:
+            by_session.setdefault(row.session_id, set()).add(row.reward)
+        assert len(by_session) == 4 and len(batch) >= 8  # at least the main thread and the sub-agent each
+        rewards = {a["session_id"]: a["reward"] for a in attempts}
+        assert all(got == {rewards[sid]} for sid, got in by_session.items())  # one reward per episode
+        shutil.rmtree(logs)  # kept (--keep) only to show a failed attempt's output
