@@ -339,11 +339,15 @@ class Chaos:
 
     # ------------------------------------------------------------------------------------ observers
     async def watch_weights(self) -> None:
+        """Each engine's version, polled; an event when it changed, with ``since``: the time of the poll
+        before, which still saw the old one (the switch happened between the two)."""
         last: dict[str, Any] = {}
+        polled: dict[str, float] = {}
         async with httpx.AsyncClient(timeout=1.0) as http:
             while not self.done.is_set():
                 for i, port in enumerate(self.engine_ports):
                     name = f"engine-{i}"
+                    asked = self.history.now()
                     try:
                         version = (await http.get(f"http://127.0.0.1:{port}/get_weight_version")).json()["weight_version"]
                     except (httpx.HTTPError, ValueError, KeyError):
@@ -351,7 +355,10 @@ class Chaos:
                     key = (self.parts[name].starts, version)
                     if last.get(name) != key:
                         last[name] = key
-                        self.history.add("weights", engine=name, version=int(version), start=key[0])
+                        self.history.add("weights", engine=name, version=int(version), start=key[0],
+                                         since=polled.get(name, asked) if key[0] == last.get(f"{name}:start") else asked)
+                        last[f"{name}:start"] = key[0]
+                    polled[name] = asked
                 await asyncio.sleep(0.1)
 
     async def watch_queue(self) -> None:
@@ -529,6 +536,12 @@ class Chaos:
         self.stop_agents.set()
         await asyncio.wait_for(agents, timeout=cfg.hang_s)
         await self.settle()
+        # the trainer is paused before the last reads, so that no step acknowledges groups between the read
+        # of its metrics and the read of the queue (it would show them as neither trained nor queued)
+        trainer = self.parts["trainer"]
+        os.killpg(trainer.pid, signal.SIGSTOP)
+        trainer.stopped = True
+        await asyncio.sleep(0.5)  # a metrics line being written lands
         self.done.set()
         await asyncio.gather(*observers)
         await self.read_back()

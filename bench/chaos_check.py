@@ -141,13 +141,12 @@ def no_stuck_session(history: list[dict[str, Any]]) -> list[Violation]:
             if s["status"] == "active" and s.get("reward") is not None and read_at - s["last_activity_at"] > limit]
 
 
-def _served(history: list[dict[str, Any]]) -> dict[str, tuple[list[float], list[int]]]:
-    """Per engine: the times of its ``weights`` events and the version seen at each."""
-    out: dict[str, tuple[list[float], list[int]]] = defaultdict(lambda: ([], []))
+def _served(history: list[dict[str, Any]]) -> dict[str, list[tuple[float, float, int]]]:
+    """Per engine: ``(since, seen, version)`` of each ``weights`` event: the version may have been served
+    from ``since`` (the poll before, which saw the old one; ``seen`` when not recorded) on."""
+    out: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     for e in sorted(_of(history, "weights"), key=lambda e: e["t"]):
-        times, versions = out[e["engine"]]
-        times.append(e["t"])
-        versions.append(int(e["version"]))
+        out[e["engine"]].append((min(e.get("since", e["t"]), e["t"]), e["t"], int(e["version"])))
     return out
 
 
@@ -166,10 +165,11 @@ def token_versions(history: list[dict[str, Any]]) -> list[Violation]:
             continue
         t0, t1 = sent[row["id"]]
         possible: set[int] = set()
-        for times, seen in served.values():
-            first = max(0, bisect.bisect_right(times, t0) - 1)
-            last = bisect.bisect_right(times, t1)
-            possible.update(seen[first:last])
+        for timeline in served.values():  # a version was possible from its since until the next was seen
+            for i, (since, _, version) in enumerate(timeline):
+                until = timeline[i + 1][1] if i + 1 < len(timeline) else float("inf")
+                if since <= t1 and until >= t0:
+                    possible.add(version)
         wrong = sorted(set(versions) - possible)
         if wrong:
             out.append(Violation("token_version_not_served", f"turn {row['id']}: versions {wrong} while the "
@@ -196,6 +196,20 @@ def check(history: list[dict[str, Any]]) -> list[Violation]:
     return [v for invariant in INVARIANTS for v in invariant(history)]
 
 
+def weight_regressions(history: list[dict[str, Any]]) -> list[str]:
+    """Engines seen going back to a lower version without restarting: a push rolled back after it failed
+    elsewhere, or a trainer that resumed from a checkpoint older than its last acknowledged step. Not a
+    violation of the token check (each token keeps the label of what sampled it), but the version that comes
+    next names other weights than the one served before: reported with the summary."""
+    out = []
+    for engine, timeline in sorted(_served(history).items()):
+        starts = {e["t"]: e.get("start") for e in _of(history, "weights") if e["engine"] == engine}
+        for (_, t_a, a), (_, t_b, b) in zip(timeline, timeline[1:]):
+            if b < a and starts.get(t_a) == starts.get(t_b):
+                out.append(f"{engine} v{a} -> v{b} at t={t_b:.1f}")
+    return out
+
+
 def summary(history: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's figures for the README: faults by kind, requests and answers, turns, groups, steps."""
     http = Counter(e.get("status", 0) for e in _of(history, "http"))
@@ -203,6 +217,7 @@ def summary(history: list[dict[str, Any]]) -> dict[str, Any]:
     train = _of(history, "train")
     versions = [int(e["version"]) for e in train]
     return {
+        "weight_regressions": weight_regressions(history),
         "faults": dict(sorted(faults.items())), "requests": sum(http.values()),
         "answers": {str(k): v for k, v in sorted(http.items())}, "turns_acked": len(_of(history, "turn")),
         "rewards": len(_of(history, "reward")), "groups_exported": len({e["group"] for e in _of(history, "export")}),

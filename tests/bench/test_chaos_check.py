@@ -125,3 +125,21 @@ def test_the_command_line_reads_a_history_file(tmp_path: Path, capsys: pytest.Ca
     path.write_text("".join(json.dumps(e) + "\n" for e in bad))
     assert chaos_check.main([str(path)]) == 1
     assert "VIOLATION http_500" in capsys.readouterr().out
+
+
+def test_a_version_seen_after_the_answer_counts_from_the_poll_before() -> None:
+    """The engines are polled: a switch to v1 seen at t=3.5 may have happened just after the poll before it
+    (``since``); a turn answered in between may carry v1. Without ``since`` it could not."""
+    history = clean()
+    _find(history, "weights", version=1).update(t=3.5, since=0.9)
+    assert chaos_check.check(history) == []
+    _find(history, "weights", version=1).pop("since")
+    assert sorted({v.invariant for v in chaos_check.check(history)}) == ["token_version_not_served"]
+
+
+def test_an_engine_going_back_a_version_is_reported_unless_it_restarted() -> None:
+    history = clean()
+    history.append({"k": "weights", "t": 6.0, "engine": "engine-0", "version": 0, "start": None})
+    assert chaos_check.summary(history)["weight_regressions"] == ["engine-0 v1 -> v0 at t=6.0"]
+    history[-1]["start"] = 2  # a restarted engine serves its base weights: not a regression
+    assert chaos_check.summary(history)["weight_regressions"] == []
