@@ -52,12 +52,14 @@ def installed_clis() -> tuple[dict[str, str] | None, str]:
 
 
 class ByPrompt(httpx.AsyncBaseTransport):
-    """Route each ``/generate`` to the stand-in named by ``choose(prompt text)``; other calls to the first."""
+    """Route each ``/generate`` to the stand-in named by ``choose(prompt text)``; other calls to the first.
+    ``choose`` may also return a reply text that is not a name: a stand-in for it is made on first use."""
 
-    def __init__(self, apps: dict[str, Any], tokenizer: Any, choose: Callable[[str], str]) -> None:
+    def __init__(self, apps: dict[str, Any], tokenizer: Any, choose: Callable[[str], str],
+                 make: Callable[[str], Any] | None = None) -> None:
         self.transports = {k: httpx.ASGITransport(app=a) for k, a in apps.items()}
         self.first = next(iter(self.transports.values()))
-        self.tokenizer, self.choose = tokenizer, choose
+        self.tokenizer, self.choose, self.make = tokenizer, choose, make
         self.chosen: list[str] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -65,6 +67,8 @@ class ByPrompt(httpx.AsyncBaseTransport):
             ids = json.loads(request.content).get("input_ids") or []
             key = self.choose(self.tokenizer.decode(ids[-4000:], skip_special_tokens=False))
             self.chosen.append(key)
+            if key not in self.transports and self.make is not None:
+                self.transports[key] = httpx.ASGITransport(app=self.make(key))
             return await self.transports[key].handle_async_request(request)
         return await self.first.handle_async_request(request)
 

@@ -1,5 +1,6 @@
 """End to end with the real CLIs (npm): Claude Code with a sub-agent, four attempts as one GRPO group run by
-``agentrl group``, rewarded by a check of the file the sub-agent wrote, exported with every episode whole.
+``agentrl group``, rewarded by a check of the file the sub-agent wrote, exported with every episode whole;
+Codex with a spawned agent (``spawn_agent`` / ``wait_agent``), four attempts the same way.
 
 The gateway runs in-process on a real socket (the CLIs are separate processes), over scripted stand-ins
 chosen by the prompt (``tests/gateway/episodes/clis.py``): the main agent's task gets an ``Agent`` call,
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import shutil
 from collections.abc import AsyncIterator
@@ -72,9 +74,10 @@ class Script:
 
 
 @asynccontextmanager
-async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path) -> AsyncIterator[tuple[str, Any, ByPrompt]]:
-    engine = ByPrompt({k: build_app(str(tiny_model_dir), [v], tokenizer=tok, context_length=CONTEXT)
-                       for k, v in REPLIES.items()}, tok, Script())
+async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path,
+                 engine: ByPrompt | None = None) -> AsyncIterator[tuple[str, Any, ByPrompt]]:
+    engine = engine or ByPrompt({k: build_app(str(tiny_model_dir), [v], tokenizer=tok, context_length=CONTEXT)
+                                 for k, v in REPLIES.items()}, tok, Script())
     settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
                                admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600, context_length=CONTEXT)
     settings.validate()
@@ -145,3 +148,71 @@ async def test_claude_code_with_a_sub_agent_four_attempts_as_a_group(tiny_model_
         rewards = {a["session_id"]: a["reward"] for a in attempts}
         assert all(got == {rewards[sid]} for sid, got in by_session.items())  # one reward per episode
         shutil.rmtree(logs)  # kept (--keep) only to show a failed attempt's output
+
+
+# ------------------------------------------------------------------------------------------------- Codex
+
+CODEX_PROMPT = ("Spawn a sub-agent to create a file named hello.txt in the current directory containing exactly "
+                "the word hi, wait for it, then reply done.")
+AGENT_ID = re.compile(r'"agent_id":\s*"([^"]+)"')
+
+
+def codex_script(prompt: str) -> str:
+    """Codex: the parent spawns the child (``spawn_agent``), then waits for it (``wait_agent`` on the id the
+    spawn's output gave), then is done; the child runs ``exec_command`` once, then is done."""
+    answered = prompt.count("<|im_start|>assistant") - 1
+    if answered == 0:
+        return call("exec_command", {"cmd": "printf 'hi\\n' > hello.txt"}) if TASK in prompt \
+            else call("spawn_agent", {"message": TASK})
+    found = AGENT_ID.findall(prompt)
+    if answered == 1 and found:
+        return call("wait_agent", {"targets": [found[-1]], "timeout_ms": 60000})
+    return "Done."
+
+
+def codex_command(codex: str) -> list[str]:
+    """One attempt: Codex with a provider reading the attempt's bound URL and key, in its own home."""
+    config = ('model = "gpt-5-codex"\nmodel_provider = "gateway"\ncheck_for_update_on_startup = false\n'
+              '[analytics]\nenabled = false\n[feedback]\nenabled = false\n[model_providers.gateway]\n'
+              'name = "gateway"\nbase_url = "$OPENAI_BASE_URL"\nenv_key = "OPENAI_API_KEY"\n'
+              'wire_api = "responses"\nrequest_max_retries = 1\nstream_max_retries = 1\n'
+              'supports_websockets = false\n')
+    home = '"$AGENTRL_WORKDIR/../home"'
+    run = " ".join(shlex.quote(a) for a in [codex, "exec", "--skip-git-repo-check", "--ephemeral", "--json", "-s",
+                                             "danger-full-access"])
+    config = config.replace('"', '\\"')  # inside the shell's double quotes ($OPENAI_BASE_URL expands)
+    return ["sh", "-c", f'mkdir -p {home}/.codex && printf "{config}" > {home}/.codex/config.toml && '
+                        f'HOME={home} CODEX_HOME={home}/.codex TERM=dumb {run} -C "$AGENTRL_WORKDIR" '
+                        f'{shlex.quote(CODEX_PROMPT)}']
+
+
+async def test_codex_with_a_spawned_agent_four_attempts_as_a_group(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
+                                                                   tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    clis, why = await asyncio.to_thread(installed_clis)
+    if clis is None:
+        pytest.skip(f"the real CLIs are not available: {why}")
+
+    def make(reply: str) -> Any:
+        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+
+    engine = ByPrompt({"done": make("Done.")}, tokenizer, codex_script, make)
+    async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):
+        args = build_parser().parse_args([
+            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "4", "--parallel", "1", "--keep",
+            "--timeout-s", "180", "--reward-cmd", "grep -qx hi hello.txt && echo 1 || echo 0", "--",
+            *codex_command(clis["codex"])])
+        status = await GroupRun(args, check(args)).run()
+        out = capsys.readouterr().out.strip().splitlines()
+        attempts = [json.loads(line) for line in out[:-1]]
+        summary = json.loads(out[-1])
+        logs = Path(summary["attempts_dir"])
+        assert status == 0 and [a["exit_code"] for a in attempts] == [0, 0, 0, 0], \
+            [(a, (logs / f"attempt-{a['index']}" / f"attempt-{a['index']}.log").read_text()[-3000:]) for a in attempts]
+        assert summary["rewards"] == [1.0, 1.0, 1.0, 1.0]
+        store = app.state.services.store
+        for a in attempts:
+            rows = await table.session_threads(store, a["session_id"])
+            kinds = sorted((r.kind, r.edge, r.status) for r in rows)
+            assert kinds == [("main", None, "root"), ("subagent", "spawned_by", "confirmed")], kinds
+        shutil.rmtree(logs)
