@@ -1,6 +1,7 @@
 """End to end with the real CLIs (npm): Claude Code with a sub-agent, four attempts as one GRPO group run by
 ``agentrl group``, rewarded by a check of the file the sub-agent wrote, exported with every episode whole;
-Codex with a spawned agent (``spawn_agent`` / ``wait_agent``), four attempts the same way.
+Codex with a spawned agent (``spawn_agent`` / ``wait_agent``), four attempts the same way; and Codex
+compacting its context in the middle of a task (``model_auto_compact_token_limit``), still one episode.
 
 The gateway runs in-process on a real socket (the CLIs are separate processes), over scripted stand-ins
 chosen by the prompt (``tests/gateway/episodes/clis.py``): the main agent's task gets an ``Agent`` call,
@@ -170,9 +171,9 @@ def codex_script(prompt: str) -> str:
     return "Done."
 
 
-def codex_command(codex: str) -> list[str]:
+def codex_command(codex: str, prompt: str = CODEX_PROMPT, extra: str = "") -> list[str]:
     """One attempt: Codex with a provider reading the attempt's bound URL and key, in its own home."""
-    config = ('model = "gpt-5-codex"\nmodel_provider = "gateway"\ncheck_for_update_on_startup = false\n'
+    config = (extra + 'model = "gpt-5-codex"\nmodel_provider = "gateway"\ncheck_for_update_on_startup = false\n'
               '[analytics]\nenabled = false\n[feedback]\nenabled = false\n[model_providers.gateway]\n'
               'name = "gateway"\nbase_url = "$OPENAI_BASE_URL"\nenv_key = "OPENAI_API_KEY"\n'
               'wire_api = "responses"\nrequest_max_retries = 1\nstream_max_retries = 1\n'
@@ -183,7 +184,7 @@ def codex_command(codex: str) -> list[str]:
     config = config.replace('"', '\\"')  # inside the shell's double quotes ($OPENAI_BASE_URL expands)
     return ["sh", "-c", f'mkdir -p {home}/.codex && printf "{config}" > {home}/.codex/config.toml && '
                         f'HOME={home} CODEX_HOME={home}/.codex TERM=dumb {run} -C "$AGENTRL_WORKDIR" '
-                        f'{shlex.quote(CODEX_PROMPT)}']
+                        f'{shlex.quote(prompt)}']
 
 
 async def test_codex_with_a_spawned_agent_four_attempts_as_a_group(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
@@ -216,3 +217,62 @@ async def test_codex_with_a_spawned_agent_four_attempts_as_a_group(tiny_model_di
             kinds = sorted((r.kind, r.edge, r.status) for r in rows)
             assert kinds == [("main", None, "root"), ("subagent", "spawned_by", "confirmed")], kinds
         shutil.rmtree(logs)
+
+
+STEPS_PROMPT = ("Create step1.txt, step2.txt and step3.txt, one command per turn, then reply done.")
+COMPACT = "CONTEXT CHECKPOINT COMPACTION"
+SUMMARY_STEPS = re.compile(r"SUMMARY: steps done: (\d+)")
+
+
+def steps_script(prompt: str) -> str:
+    """Codex making files one command a turn; its summarizer's summary says how many are done, so the
+    window after a compaction goes on from there."""
+    last_user = prompt.split("<|im_start|>user")[-1]
+    window = prompt.split("<|im_start|>assistant")[1:-1]  # the turns answered in this window
+    carried = SUMMARY_STEPS.findall(prompt)
+    done = (int(carried[-1]) if carried else 0) + sum("exec_command" in turn for turn in window)
+    if COMPACT in last_user:
+        return f"SUMMARY: steps done: {done}"
+    if done >= 3:
+        return "Done."
+    return call("exec_command", {"cmd": f"touch step{done + 1}.txt"})
+
+
+async def test_codex_compacts_mid_task_and_stays_one_episode(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
+                                                             tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``model_auto_compact_token_limit`` is set a little above the first prompt's size (measured by a first
+    run), so that Codex compacts once the task's turns have grown the window, by the usage the gateway
+    reports; the window after it is a new segment compacted_from the first, the summarizer turn in it."""
+    clis, why = await asyncio.to_thread(installed_clis)
+    if clis is None:
+        pytest.skip(f"the real CLIs are not available: {why}")
+
+    def make(reply: str) -> Any:
+        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+
+    engine = ByPrompt({"done": make("Done.")}, tokenizer, steps_script, make)
+    async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):
+        store = app.state.services.store
+
+        async def group(limit: int | None) -> list[dict[str, Any]]:
+            extra = f"model_auto_compact_token_limit = {limit}\\n" if limit else ""
+            command = codex_command(clis["codex"], STEPS_PROMPT, extra)
+            args = build_parser().parse_args([
+                "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--timeout-s", "180",
+                "--reward-cmd", "test -f step3.txt && echo 1 || echo 0", "--", *command])
+            assert await GroupRun(args, check(args)).run() == 0
+            return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[:-1]]
+
+        (probe,) = await group(None)
+        first = min(await store.session_interactions(session_id=probe["session_id"]), key=lambda t: t.created_at)
+        size = len(await store.full_sequence(interaction_id=first.id))
+        (attempt,) = await group(size + 100)
+        assert attempt["reward"] == 1.0 and attempt["exit_code"] == 0, attempt
+        turns = await store.session_interactions(session_id=attempt["session_id"])
+        rows = {(r.thread, r.segment): r for r in await table.session_threads(store, attempt["session_id"])}
+        summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
+        assert summarizers, [t.request["episode"] for t in turns]
+        windows = sorted((r for r in rows.values() if r.edge == "compacted_from"), key=lambda r: r.created_at)
+        assert windows and all(w.status == "confirmed" for w in windows), rows
+        assert {w.from_turn for w in windows} <= {t.id for t in summarizers}
