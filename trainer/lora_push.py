@@ -94,7 +94,7 @@ class AdapterSync:
             raise ValueError(f"adapter push mode {self.mode!r}: use {' or '.join(MODES)}")
         self.sync_dir = Path(self.sync_dir).resolve()  # the engines resolve paths against their own cwd
         self.served: Path | None = None  # the directory the engines load on rollback
-        self._held: dict[str, torch.Tensor] | None = None
+        self._held: torch.Tensor | None = None
 
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> Any:
         """Collective: gather the adapter in the served dtype; rank 0 returns what :meth:`send` sends."""
@@ -109,19 +109,27 @@ class AdapterSync:
         return self._serialize(dict(tensors), config)
 
     def _serialize(self, tensors: dict[str, torch.Tensor], config) -> dict[str, Any]:
+        """The adapter in one flat buffer (one shared-memory file on a CPU, one CUDA IPC allocation on a GPU,
+        instead of one per tensor: hundreds of them), pickled as ``{key: view}``; the buffer is held until
+        the engines answered."""
         from multiprocessing.reduction import ForkingPickler
 
-        if any(t.device.type == "cpu" for t in tensors.values()):
-            torch.multiprocessing.set_sharing_strategy("file_system")  # files any process on this host can open
-        held = {}
+        first = next(iter(tensors.values()))
+        flat = torch.empty(sum(t.numel() for t in tensors.values()), dtype=first.dtype, device=first.device)
+        if flat.device.type == "cpu":
+            torch.multiprocessing.set_sharing_strategy("file_system")  # a file any process on this host can open
+            flat.share_memory_()
+        views, offset = {}, 0
         for key, t in tensors.items():
-            t = t.contiguous()
-            if t.device.type == "cpu":
-                t.share_memory_()
-            held[key] = t
+            view = flat[offset:offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            views[key] = view
+            offset += t.numel()
+        if flat.device.type == "cuda":
+            torch.cuda.synchronize(flat.device)
         buf = io.BytesIO()
-        ForkingPickler(buf).dump(held)
-        self._held = held  # alive until the engines answered
+        ForkingPickler(buf).dump(views)
+        self._held = flat  # alive until the engines answered
         return {"config_dict": lora.config_dict(config), "payload": base64.b64encode(buf.getvalue()).decode("ascii")}
 
     def send(self, engines: list[str], staged: Any, touched: list[str]) -> None:
