@@ -1,7 +1,7 @@
 """One GRPO step of the tiny model over the rows of replayed agent runs: a Claude Code run whose main agent
-delegated to a sub-agent (two rows, reward 1) and the same run rewarded 0 (one of its rows only),
-one group. Each episode gets one
-advantage and weighs as one (``core_algos.episode_weights``), and the step trains on every row."""
+delegated to a sub-agent (two rows, reward 1) and the same run rewarded 0 (one of its rows only), one
+group. Each episode gets one advantage and weighs as one (``core_algos.episode_weights``), and the step
+trains on every row."""
 
 from __future__ import annotations
 
