@@ -19,6 +19,8 @@ import torch
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tests.engine_hooks import hold, release, wait_for, wait_held
+
 PROMPTS = [[1, 9690, 198, 2683, 359, 253, 5356, 30, 2, 198, 1, 4093], [1, 4093, 198, 42, 77, 1000, 5],
            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -85,8 +87,8 @@ def loaded(url: str) -> list[str]:
 
 @contextmanager
 def story(url: str, lora: str) -> Iterator[list[dict]]:
-    """A streamed greedy generation under ``lora`` as long as the context allows, running for the whole block
-    (its first event has arrived); aborted afterwards. Yields its events so far, parsed."""
+    """A streamed greedy generation under ``lora``, held by the engine at 5 tokens (one more after a re-prefill)
+    and so running for the whole block; aborted afterwards. Yields its events so far, parsed."""
     room = int(httpx.get(url + "/get_server_info", timeout=10).json()["context_length"]) - 20
     events: list[dict] = []
     body = {"input_ids": PROMPTS[2], "stream": True, "lora_path": lora,
@@ -99,16 +101,16 @@ def story(url: str, lora: str) -> Iterator[list[dict]]:
                     events.append(json.loads(line.removeprefix("data: ")))
 
     reader = threading.Thread(target=read)
-    reader.start()
+    hold(url, 5)  # the engine (--test-hooks) holds the story at 5 tokens: it cannot end during the block
     try:
-        deadline = time.monotonic() + 60  # hang guard
-        while not events:
-            assert time.monotonic() < deadline, "the engine streamed nothing"
-            time.sleep(0.02)
+        reader.start()
+        wait_held(url)
+        wait_for(lambda: events, "the story's first event")
         assert events[0]["meta_info"]["finish_reason"] is None, events[0]
         yield events
     finally:
         httpx.post(url + "/abort_request", json={"abort_all": True}, timeout=60)
+        release(url)
         reader.join(60)
 
 

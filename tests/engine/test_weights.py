@@ -213,9 +213,9 @@ def test_a_retracted_request_survives_a_disk_push_and_reports_both_versions(url,
                     chunks.append(json.loads(line[len("data: "):]))
 
     reader = threading.Thread(target=read)
-    reader.start()
     try:
-        with held_decoding(url, 3):  # the story is running at 3 tokens when the pause lands
+        with held_decoding(url, 3):  # armed before the story starts: it is running at 3 tokens when the pause lands
+            reader.start()
             wait_held(url)
             assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=60).status_code == 200
         wait_for(lambda: len(chunks) >= 3, "the third streamed chunk")
