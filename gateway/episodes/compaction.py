@@ -51,7 +51,7 @@ def expand(content: object, param: str) -> tuple[str, str]:
     try:
         if not dot or not turn_id:
             raise ValueError("no turn id")
-        return turn_id, base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode()
+        return turn_id, base64.b64decode(body + "=" * (-len(body) % 4), altchars=b"-_", validate=True).decode()
     except ValueError as exc:  # binascii.Error and UnicodeDecodeError are ValueErrors
         raise InvalidRequest("a compaction item's encrypted_content is damaged", param=param) from exc
 
