@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from gateway import errors
 from gateway.errors import StoreUnavailable
 from gateway.queue import QueuedGroup, RedisQueue, queue_table
 from gateway.store.backend import Backend, open_backend
-from sqlalchemy.ext.asyncio import create_async_engine
 from tests.conftest import free_port
 from tests.gateway.test_outages import PrivateRedis
 from tests.gateway.test_trajectories_queue import make_group
