@@ -34,6 +34,11 @@ class EngineSettings:
                           "SGLang (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) it waits behind a pause"},
     )
     log_level: str = field(default="warning", metadata={"help": "uvicorn/engine log level (debug, info, warning)"})
+    lora_paths: list[str] = field(
+        default_factory=list,
+        metadata={"help": "LoRA adapters to load at start, NAME=PATH each (comma-separated; SGLang's --lora-paths "
+                          "form): peft adapter directories, e.g. a LoRA trainer's checkpoint (docs/lora.md)"},
+    )
     default_lora: str = field(
         default="",
         metadata={"help": "serve requests that name no adapter (no lora_path) with this LoRA adapter once it is loaded "
@@ -62,5 +67,10 @@ class EngineSettings:
             raise SettingsError("health_timeout_s must be positive (e.g. --health-timeout-s 20)")
         if self.threads < 1:
             raise SettingsError("threads must be at least 1 (e.g. --threads 1)")
+        for item in self.lora_paths:
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise SettingsError(f"--lora-paths {item!r}: give NAME=PATH (a peft adapter directory), e.g. "
+                                    "policy=runs/trainer/step_000040")
         if self.context_length is not None and self.context_length < 2:
             raise SettingsError("context_length must be at least 2 tokens, or left unset to use the model's")

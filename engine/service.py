@@ -25,6 +25,7 @@ from agentrl.weight_group import (FLATTENED_BUCKET, WeightGroup, broadcast_flat,
                                   flat_size, init_weight_group, unflatten)
 from engine.config import EngineSettings
 from engine.grammar import Grammars
+from engine.lora import build_adapter, read_adapter_dir
 from engine.memory import WEIGHTS, device_memory, parse_tags
 from engine.models import resolve_model
 from engine.sampling import InvalidRequest, SamplingParams
@@ -109,6 +110,13 @@ class Engine:
             context_length=self.context_length,
         )
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_ids)
+        for item in settings.lora_paths:  # before the scheduler thread starts: added directly
+            name, _, lora_path = item.partition("=")
+            try:
+                adapter = build_adapter(self.model, name, lora_path, *read_adapter_dir(lora_path))
+            except WeightUpdateError as exc:
+                raise WeightUpdateError(f"--lora-paths {item}: {exc}") from exc
+            self.scheduler.adapters.add(adapter)
         self.groups: dict[str, WeightGroup] = {}
         self._update_lock = asyncio.Lock()  # one weight update at a time
 

@@ -262,3 +262,28 @@ def test_a_new_adapter_version_under_a_pause_moves_token_versions_like_a_weight_
     v2 = generate(url, PROMPTS[1], "policy")
     assert v2["meta_info"]["weight_version"] == str(start + 1)
     assert v2["output_ids"] != v1["output_ids"]  # the new adapter serves
+
+
+def test_adapters_loaded_at_start_and_served_by_default(adapters, tiny_model_dir):
+    """``--lora-paths NAME=PATH`` loads adapters at start (SGLang's flag); ``--default-lora`` serves requests that
+    name none with one of them: how a LoRA checkpoint is served for evaluation without merging."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.engine.conftest import engine_process
+
+    flags = ("--lora-paths", f"a={adapters['a']},b={adapters['b']}", "--default-lora", "a")
+    with engine_process(*flags) as url:
+        assert loaded(url) == ["a", "b"]
+        default = generate(url, PROMPTS[0])
+        assert default["output_ids"] == generate(url, PROMPTS[0], "a")["output_ids"]
+        reference = peft_logprobs(tiny_model_dir, adapters["a"], PROMPTS[0], default["output_ids"])
+        assert max(abs(x - y) for x, y in zip(logprobs(default), reference)) < 1e-4
+        assert generate(url, PROMPTS[0], "b")["output_ids"] != default["output_ids"]
+    bad = subprocess.run([sys.executable, "-m", "agentrl", "engine", "--model", "tiny", "--lora-paths", "no-equals"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "NAME=PATH" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "agentrl", "engine", "--model", "tiny", "--lora-paths", "x=/nope"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "--lora-paths x=/nope" in missing.stderr
