@@ -85,10 +85,6 @@ class Signals:
     confirmations: list[Confirmation] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # signals present but unreadable (shown, counted)
 
-    @property
-    def subagent(self) -> bool:
-        return self.client == "claude_code" and self.thread != MAIN or self.parent_thread is not None
-
     def label(self) -> dict[str, Any]:
         """What the turn records about its thread (``request.episode``)."""
         out: dict[str, Any] = {"client": self.client, "thread": self.thread, "segment": self.segment,
