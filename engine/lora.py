@@ -148,6 +148,7 @@ class AdapterSet:
         self._modules = dict(model.named_modules())
         self._hooked: set[str] = set()
         self._groups: list[tuple[Adapter, torch.Tensor]] = []  # during one forward pass: adapter, its rows
+        self.default: str | None = None  # --default-lora: serves the rows that name no adapter, once loaded
 
     def add(self, adapter: Adapter) -> None:
         """Serve ``adapter`` under its name (the scheduler calls this between steps)."""
@@ -167,8 +168,12 @@ class AdapterSet:
 
     @contextlib.contextmanager
     def rows(self, names: Sequence[str | None]) -> Iterator[None]:
-        """Run one forward pass with row ``i`` under adapter ``names[i]`` (None: the base model). Every name
-        must be loaded (the scheduler drops requests whose adapter is gone first)."""
+        """Run one forward pass with row ``i`` under adapter ``names[i]``. Every name must be loaded (the
+        scheduler drops requests whose adapter is gone first). None: :attr:`default` if it is loaded, else the
+        base model; resolved at every forward pass, so a request that arrived while a push had the default
+        adapter unloaded is still served with the new one (pushes happen while nothing runs, or paused)."""
+        fallback = self.default if self.default in self.loaded else None
+        names = [name or fallback for name in names]
         if not any(names):
             yield
             return

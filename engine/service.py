@@ -110,6 +110,7 @@ class Engine:
             context_length=self.context_length,
         )
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.scheduler.eos_ids)
+        self.scheduler.adapters.default = settings.default_lora or None
         for item in settings.lora_paths:  # before the scheduler thread starts: added directly
             name, _, lora_path = item.partition("=")
             try:
@@ -187,9 +188,9 @@ class Engine:
                 raise InvalidRequest("lora_path as a list names one adapter per prompt; the embedded engine takes "
                                      "one prompt per request, so send a string (or a list of one)")
             lora_path = lora_path[0]
+        if not lora_path:  # the base model, or --default-lora's adapter (AdapterSet.rows resolves it per step)
+            return None
         loaded = self.scheduler.adapters.paths()
-        if not lora_path:  # --default-lora: the trained adapter once a trainer pushed it, else the base
-            return self.settings.default_lora if self.settings.default_lora in loaded else None
         if lora_path not in loaded:  # SGLang 0.5.19 TokenizerManager._resolve_lora_path's refusal
             raise InvalidRequest(f"Got LoRA adapter that has never been loaded: {lora_path}. "
                                  f"All loaded adapters: {sorted(loaded)}.")

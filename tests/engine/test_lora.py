@@ -281,6 +281,23 @@ def test_adapters_loaded_at_start_and_served_by_default(adapters, tiny_model_dir
         reference = peft_logprobs(tiny_model_dir, adapters["a"], PROMPTS[0], default["output_ids"])
         assert max(abs(x - y) for x, y in zip(logprobs(default), reference)) < 1e-4
         assert generate(url, PROMPTS[0], "b")["output_ids"] != default["output_ids"]
+
+        # a push of a new version of the default adapter: a request that arrives while it is unloaded (paused)
+        # is served by the new version, not by the base model
+        assert httpx.post(url + "/pause_generation", json={"mode": "abort"}).status_code == 200
+        assert unload(url, "a").status_code == 200
+        result: dict = {}
+        waiting = threading.Thread(target=lambda: result.update(out=generate(url, PROMPTS[0])))
+        waiting.start()
+        deadline = time.monotonic() + 60  # hang guard: waits for a count
+        while info(url)["num_waiting_reqs"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert load(url, "a", adapters["a2"]).status_code == 200
+        assert httpx.post(url + "/continue_generation", json={}).status_code == 200
+        waiting.join(120)
+        new = generate(url, PROMPTS[0], "a")
+        assert result["out"]["output_ids"] == new["output_ids"] != default["output_ids"]
     bad = subprocess.run([sys.executable, "-m", "agentrl", "engine", "--model", "tiny", "--lora-paths", "no-equals"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "NAME=PATH" in bad.stderr
