@@ -548,15 +548,17 @@ class Chaos:
         return self.report()
 
     async def settle(self) -> None:
-        """Wait until no rewarded session is active (idle-finished), at most idle timeout + marker lifetime
-        + a few ticks: what the checker then allows."""
+        """Wait until no rewarded session is active (idle-finished) and no finished one waits for its export
+        (the leader's next tick), at most idle timeout + marker lifetime + a few ticks: what the checker then
+        allows (a group read back while its finished sessions waited for that tick looked lost)."""
         import asyncpg
 
         deadline = time.monotonic() + IDLE_TIMEOUT_S + MARKER_TTL_S + 5.0
         conn = await asyncpg.connect(f"postgresql://postgres@127.0.0.1:{self.pg_port}/postgres")
         try:
             while time.monotonic() < deadline:
-                left = await conn.fetchval("SELECT count(*) FROM sessions WHERE status = 'active' AND reward IS NOT NULL")
+                left = await conn.fetchval("SELECT count(*) FROM sessions WHERE status = 'finished' "
+                                           "OR (status = 'active' AND reward IS NOT NULL)")
                 if left == 0:
                     break
                 await asyncio.sleep(0.5)
