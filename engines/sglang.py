@@ -40,7 +40,8 @@ from typing import Any
 import httpx
 
 from engines.base import (PLAIN_ERRORS, SSE_DONE, EngineErrors, EngineInfo, EngineOutput, SamplingParams, abort_unless,
-                          dumps, engine_error, error_text, loads, parse_version, span_versions, sse_json, stream_error)
+                          dumps, engine_error, error_text, parse_version, span_versions, sse_json, stream_error)
+from engines.caller import EngineCaller
 from engines.control import EngineOpsError, post
 from engines.transport import Transport, TransportError
 
@@ -146,41 +147,17 @@ def parse_output(body: dict[str, Any], known: int = 0, errors: EngineErrors = PL
                         status, message, span_versions(spans, len(ids)), start)
 
 
-class SGLangClient:
+class SGLangClient(EngineCaller):
     """One SGLang-native engine at ``base_url`` (the gateway's side), its bytes carried by ``transport``."""
 
     kind = "sglang"
 
     def __init__(self, base_url: str, transport: Transport, *, timeout_s: float = 600.0,
                  errors: EngineErrors = PLAIN_ERRORS) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.transport, self.timeout_s, self.errors = transport, timeout_s, errors
+        super().__init__(base_url, transport, timeout_s=timeout_s, errors=errors)
         # what this server's release speaks (info routes), learned by describe(); until then the routes every
         # SGLang-native server answers (the embedded engine has only these)
         self.dialect = SGLangDialect()
-
-    # ---- one code path for every call
-    def _unreachable(self, exc: TransportError) -> Exception:
-        return self.errors.unavailable(f"engine {self.base_url} unreachable: HTTP {exc.kind}: {exc}")
-
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
-                    timeout_s: float | None = None) -> bytes:
-        """The body of a 2xx answer; an error for anything else."""
-        try:
-            status, content = await self.transport.request(
-                method, self.base_url + path, dumps(body) if body is not None else None,
-                timeout_s=self.timeout_s if timeout_s is None else timeout_s)
-        except TransportError as exc:
-            raise self._unreachable(exc) from exc
-        if status >= 400:
-            raise engine_error(self.errors, self.base_url, status, error_text(content, f"HTTP {status}"))
-        return content
-
-    def _json(self, content: bytes, what: str) -> Any:
-        try:
-            return loads(content)
-        except ValueError as exc:
-            raise self.errors.failed(f"engine {self.base_url} answered {what} with a body that is not JSON") from exc
 
     @staticmethod
     def _body(input_ids: list[int], params: SamplingParams, max_new_tokens: int, stream: bool) -> dict[str, Any]:

@@ -32,15 +32,16 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlencode
 
 import httpx
 
 from engines.base import (PLAIN_ERRORS, SSE_DONE, EngineErrors, EngineInfo, EngineOutput, SamplingParams, abort_unless,
-                          dumps, engine_error, error_text, loads, parse_version, span_versions, sse_json, stream_error)
+                          dumps, engine_error, error_text, parse_version, span_versions, sse_json, stream_error)
+from engines.caller import EngineCaller
 from engines.control import EngineOpsError, post
-from engines.transport import Transport, TransportError
+from engines.transport import TransportError
 
 log = logging.getLogger(__name__)
 
@@ -143,37 +144,13 @@ class Accumulator:
                             versions=span_versions(self.spans, len(self.ids)))
 
 
-class VLLMClient:
+class VLLMClient(EngineCaller):
     """One vLLM server at ``base_url`` (the gateway's side), its bytes carried by ``transport``."""
 
     kind = "vllm"
 
-    def __init__(self, base_url: str, transport: Transport, *, timeout_s: float = 600.0,
-                 errors: EngineErrors = PLAIN_ERRORS) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.transport, self.timeout_s, self.errors = transport, timeout_s, errors
-
-    def _unreachable(self, exc: TransportError) -> Exception:
-        return self.errors.unavailable(f"engine {self.base_url} unreachable: HTTP {exc.kind}: {exc}")
-
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
-                    timeout_s: float | None = None) -> bytes:
-        """The body of a 2xx answer; an error for anything else."""
-        try:
-            status, content = await self.transport.request(
-                method, self.base_url + path, dumps(body) if body is not None else None,
-                timeout_s=self.timeout_s if timeout_s is None else timeout_s)
-        except TransportError as exc:
-            raise self._unreachable(exc) from exc
-        if status >= 400:
-            raise engine_error(self.errors, self.base_url, status, error_text(content, f"HTTP {status}"))
-        return content
-
-    def _json(self, content: bytes, what: str) -> Any:
-        try:
-            return loads(content) if content else {}
-        except ValueError as exc:
-            raise self.errors.failed(f"vLLM {self.base_url} answered {what} with a body that is not JSON") from exc
+    label = "vLLM"
+    empty_body: ClassVar[dict[str, Any]] = {}  # vLLM's control routes answer 200 with no body
 
     @staticmethod
     def _body(input_ids: list[int], params: SamplingParams, max_new_tokens: int, stream: bool) -> dict[str, Any]:
