@@ -369,6 +369,21 @@ class _EpisodeBase:
         """The shared connection pool for ``openai()``'s clients: the gateway's ``sdk_http`` where it is a sync one."""
         return None
 
+    def child(self, parent_response_id: str, *, link: str = "spawn", thread: str | None = None) -> SubAgent:
+        """A sub-agent of this episode, started by the turn ``parent_response_id`` (or, with
+        ``link="compaction"``, the window that continues from a summary that turn wrote). Its SDK clients talk
+        to this episode's session with the gateway's episode headers (``X-AgentRL-Parent-Response``,
+        ``X-AgentRL-Link``, ``X-AgentRL-Thread``: docs/coding-agents.md), so its turns are recorded as a
+        thread of this episode, ``spawned_by`` (or ``compacted_from``) that turn, under its reward."""
+        if not isinstance(parent_response_id, str) or not parent_response_id:
+            raise ValueError("child() needs the response id of the turn that started the sub-agent")
+        if link not in CHILD_LINKS:
+            raise ValueError(f"link {link!r}: use one of {', '.join(CHILD_LINKS)}")
+        headers = {"X-AgentRL-Parent-Response": parent_response_id, "X-AgentRL-Link": link}
+        if thread is not None:
+            headers["X-AgentRL-Thread"] = thread
+        return SubAgent(self, headers)
+
     def _reward_steps(self, value: float, response_id: str | None) -> Steps[None]:
         yield from self.gateway._request_steps("POST", "/reward", json=_reward_body(value, self.session_id, response_id),
                                                key=self.api_key)
@@ -388,6 +403,31 @@ class _EpisodeBase:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.session_id} group={self.group_id} task={self.task_id} {self.status}>"
+
+
+CHILD_LINKS = ("spawn", "compaction")  # the gateway's X-AgentRL-Link kinds (gateway/episodes/signals.py)
+
+
+class SubAgent:
+    """SDK clients for a sub-agent (or compacted window) of an episode: ``episode.child(response_id)``."""
+
+    def __init__(self, episode: _EpisodeBase, headers: dict[str, str]) -> None:
+        self.episode = episode
+        self.headers = headers  # sent with every request of its clients
+
+    def _with_headers(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return {**kwargs, "default_headers": {**self.headers, **(kwargs.get("default_headers") or {})}}
+
+    def openai(self, **kwargs: Any) -> Any:
+        """An ``openai.OpenAI`` bound to the episode, its requests linked as this sub-agent's thread."""
+        return self.episode.openai(**self._with_headers(kwargs))
+
+    def async_openai(self, **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` bound to the episode (async gateways only, as ``episode.async_openai``)."""
+        return self.episode.async_openai(**self._with_headers(kwargs))  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"<SubAgent of {self.episode.session_id} {self.headers}>"
 
 
 E = TypeVar("E", bound=_EpisodeBase)

@@ -122,3 +122,34 @@ async def test_an_episode_function_run_shows_a_progress_bar_and_reports_rewards_
     assert not any(key.startswith("accuracy") for key in summary)
     bar = capsys.readouterr().err
     assert "eval: 100%" in bar and "4/4" in bar and "reward=1.000" in bar
+
+
+async def test_a_sub_agent_from_episode_child_is_a_thread_of_the_episode(gateway_factory):  # noqa: F811
+    """``episode.child(response_id)`` hands a sub-agent its own SDK client on the episode's session: its turns
+    are recorded in that session as a thread ``spawned_by`` the main turn (GET /v1/sessions/{id}/threads), and
+    a compacted window (``link="compaction"``) as ``compacted_from`` it; the main thread is left as it was."""
+    gw = gateway_factory()
+    async with AsyncGateway(gw.base_url, gw.admin_key) as client:
+        async with client.group("task-child", size=1) as group:
+            (episode,) = list(group)
+            async with episode:
+                main = await episode.async_openai(max_retries=0).chat.completions.create(
+                    model=episode.model, messages=HELLO, max_tokens=4)
+                helper = episode.child(main.id).async_openai(max_retries=0)
+                sub = await helper.chat.completions.create(
+                    model=episode.model, max_tokens=4,
+                    messages=[{"role": "system", "content": "You are a helper."}, {"role": "user", "content": "Add."}])
+                window = await episode.child(main.id, link="compaction").async_openai(
+                    max_retries=0).chat.completions.create(
+                    model=episode.model, max_tokens=4, messages=[{"role": "user", "content": "Summary: 2 + 2 asked."}])
+                await episode.reward(1.0)
+    with admin(gw) as http:
+        listing = http.get(f"/v1/sessions/{episode.session_id}/threads").json()
+    edges = {(t["edge"], t["from_turn"], t["status"]) for t in listing["threads"]}
+    assert ("spawned_by", main.id, "confirmed") in edges and ("compacted_from", main.id, "confirmed") in edges
+    assert listing["turns"][sub.id]["thread"] != listing["turns"].get(main.id, {}).get("thread", "main")
+    assert window.id in listing["turns"]
+    with pytest.raises(ValueError, match="link"):
+        episode.child(main.id, link="merge")
+    with pytest.raises(ValueError, match="response id"):
+        episode.child("")
