@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.engine.conftest import reference_logprobs
-from tests.engine_hooks import held_decoding, wait_for, wait_held
+from tests.engine_hooks import held_decoding, hold, release, wait_for, wait_held
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356, 30, 2, 198],
@@ -163,16 +163,25 @@ def test_streaming_chunks_are_cumulative_and_end_with_done(engine_url):
     body = {"input_ids": PROMPTS[5], "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 3},
             "return_logprob": True, "stream": True}
     chunks, done = [], False
-    with httpx.stream("POST", engine_url + "/generate", json=body, timeout=60) as response:
-        assert response.headers["content-type"].startswith("text/event-stream")
-        for line in response.iter_lines():
-            if not line:
-                continue
-            assert line.startswith("data: ")
-            if line == "data: [DONE]":
-                done = True
-                continue
-            chunks.append(json.loads(line[len("data: "):]))
+    # held at its first token until that token's chunk has arrived: only then can a second chunk be certain
+    # (the engine sends the newest of the snapshots that queued up, so a story that ran ahead of a slow event
+    # loop could arrive as one chunk)
+    hold(engine_url, 1)
+    try:
+        with httpx.stream("POST", engine_url + "/generate", json=body, timeout=60) as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for line in response.iter_lines():
+                if not line:
+                    continue
+                assert line.startswith("data: ")
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                chunks.append(json.loads(line[len("data: "):]))
+                if len(chunks) == 1:
+                    release(engine_url)
+    finally:
+        release(engine_url)
     assert done and chunks
     for prev, cur in zip(chunks, chunks[1:]):
         assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]

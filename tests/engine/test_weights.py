@@ -218,7 +218,8 @@ def test_a_retracted_request_survives_a_disk_push_and_reports_both_versions(url,
             reader.start()
             wait_held(url)
             assert httpx.post(url + "/pause_generation", json={"mode": "retract"}, timeout=60).status_code == 200
-        wait_for(lambda: len(chunks) >= 3, "the third streamed chunk")
+        # cumulative chunks, only the newest of those queued is sent: wait for the one holding 3 tokens
+        wait_for(lambda: chunks and len(chunks[-1]["output_ids"]) >= 3, "the streamed chunk with 3 tokens")
         held = len(chunks[-1]["output_ids"])
         assert held == 3
         assert update_from_disk(url, eos_model_dir, flush_cache=False).json()["success"] is True
