@@ -560,7 +560,8 @@ class TrajectoryService:
         state = await self.staleness.state()
         return {
             "leader": {"id": await self.leader(), "this_process": self._leader_id, "leading": self.leading},
-            "stats": asdict(self.stats),
+            # groups published again after Redis lost them (the Redis queue's rebuild; 0 on the SQL queue)
+            "stats": {**asdict(self.stats), "groups_republished": getattr(self.queue, "republished", 0)},
             "queue": counts.as_dict(),
             "trainer": state.as_dict() if state else None,
             "settings": asdict(self.settings),

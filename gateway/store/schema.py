@@ -89,7 +89,8 @@ groups = sa.Table(
     sa.Index("ix_session_groups_status_created", "status", "created_at"),  # 0005: open groups per tick
 )
 
-# The trajectory queue without Redis (``gateway.queue.SqlQueue``) and its leases. Alembic ``0002_trajectories``.
+# The trajectory queue without Redis (``gateway.queue.SqlQueue``) and its leases, and the SQL outbox of the Redis
+# queue (``gateway.queue.RedisQueue``). Alembic ``0002_trajectories``.
 trajectory_queue = sa.Table(
     "trajectory_queue",
     metadata,
@@ -103,7 +104,10 @@ trajectory_queue = sa.Table(
     sa.Column("min_version", sa.Integer, nullable=False),
     sa.Column("complete", sa.Boolean, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("status", sa.String(16), nullable=False),  # ready | leased | held
+    # SqlQueue: ready | leased | held; RedisQueue (the table is its SQL outbox): outbox (staged in the claim's
+    # transaction, not yet in the stream) | published (in the stream; kept until the ack or the drop, so that a
+    # Redis that lost its data gets it again)
+    sa.Column("status", sa.String(16), nullable=False),
     sa.Column("lease_id", sa.String(64), nullable=True),
     sa.Column("lease_deadline", sa.Float, nullable=True),
     sa.Column("deliveries", sa.Integer, nullable=False),
