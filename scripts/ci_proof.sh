@@ -23,14 +23,15 @@ run_once() {  # $1: a label; a fresh clone each time, as CI makes one
   dir="$(mktemp -d /tmp/agentrl-ci-XXXX)"
   git clone -q "$repo" "$dir/clone" && git -C "$dir/clone" checkout -q "$commit"
   ln -s "$(cd "$repo/.." && pwd)/shared" "$dir/shared" 2>/dev/null || true  # ../shared, as beside a checkout
+  load_before="$(cut -d' ' -f1 /proc/loadavg)"
   start=$(date +%s)
   set +e
   (cd "$dir/clone" && CI=true bash .ci/run) >"$out/$label.log" 2>&1 < /dev/null
   rc=$?
   set -e
   end=$(date +%s)
-  printf '%s %s commit=%s rc=%d %dm%02ds load_before=%s | %s\n' "$(date -u +%FT%TZ)" "$label" "${commit:0:7}" \
-    "$rc" $(((end - start) / 60)) $(((end - start) % 60)) "$(cut -d' ' -f1 /proc/loadavg)" \
+  printf '%s %s commit=%s rc=%d %dm%02ds load_before=%s load_after=%s | %s\n' "$(date -u +%FT%TZ)" "$label" \
+    "${commit:0:7}" "$rc" $(((end - start) / 60)) $(((end - start) % 60)) "$load_before" "$(cut -d' ' -f1 /proc/loadavg)" \
     "$(grep -E '(passed|failed)' "$out/$label.log" | tail -1)" | tee -a "$out/proof.log"
   rm -rf "$dir"
   return "$rc"
