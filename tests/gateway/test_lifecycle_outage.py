@@ -16,7 +16,7 @@ from gateway import errors
 from gateway.lifecycle import ExportSettings, TrajectoryService, outage_of
 from gateway.store import Store
 from gateway.store import errors as store_errors
-from tests.gateway.test_outages import PrivateRedis
+from tests.services import PrivateRedis
 
 LOGGER = "agentrl.gateway.lifecycle"
 

@@ -16,8 +16,7 @@ does), on SQLite and on PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,23 +30,11 @@ from gateway.errors import StoreUnavailable
 from gateway.queue import QueuedGroup, RedisQueue, queue_table
 from gateway.store.backend import Backend, open_backend
 from tests.conftest import free_port
-from tests.gateway.test_outages import PrivateRedis
 from tests.gateway.test_trajectories_queue import make_group
+from tests.services import PrivateRedis, private_redis  # noqa: F401 (fixture)
 
 LONG_LEASE_S = 300.0  # no lease in these tests may expire (a slow machine cannot make one lapse)
 PREFIX = "restart:"
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
-    server = PrivateRedis(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.services)])
@@ -63,8 +50,8 @@ async def db(db_url: str) -> AsyncIterator[Backend]:
 
 
 @pytest.fixture
-async def client(own_redis: PrivateRedis) -> AsyncIterator[Any]:
-    redis = aioredis.Redis.from_url(own_redis.url, decode_responses=False)
+async def client(private_redis: PrivateRedis) -> AsyncIterator[Any]:
+    redis = aioredis.Redis.from_url(private_redis.url, decode_responses=False)
     yield redis
     await redis.aclose()
 
@@ -94,13 +81,13 @@ async def sql_rows(db: Backend) -> dict[str, str]:
         return {r.group_key: r.status for r in await conn.execute(sa.select(q.c.group_key, q.c.status))}
 
 
-async def test_a_published_group_is_leased_after_redis_restarts_empty(own_redis: PrivateRedis, db: Backend,
+async def test_a_published_group_is_leased_after_redis_restarts_empty(private_redis: PrivateRedis, db: Backend,
                                                                       client: Any) -> None:
     queue = make_queue(client, db)
     group = make_group("g-restart")
     await export(queue, db, group)
     assert await sql_rows(db) == {"g-restart": "published"}  # kept after publishing, until the ack
-    await restart(own_redis, client)
+    await restart(private_redis, client)
     lease = None
     for _ in range(3):  # the lifecycle's upkeep on its next ticks, and the trainer's next leases
         await queue.sweep()
@@ -118,7 +105,7 @@ async def test_a_published_group_is_leased_after_redis_restarts_empty(own_redis:
     assert await sql_rows(db) == {}
 
 
-async def test_an_acknowledged_group_never_comes_back(own_redis: PrivateRedis, db: Backend, client: Any) -> None:
+async def test_an_acknowledged_group_never_comes_back(private_redis: PrivateRedis, db: Backend, client: Any) -> None:
     queue = make_queue(client, db)
     await queue.sweep()  # the upkeep of a running gateway: this Redis holds the whole queue
     for key in ("g-acked", "g-waiting"):
@@ -129,7 +116,7 @@ async def test_an_acknowledged_group_never_comes_back(own_redis: PrivateRedis, d
     assert await sql_rows(db) == {"g-waiting": "published"}  # the ack deleted its row
     assert queue.republished == 0  # nothing was lost yet: the upkeep before the restart added nothing
 
-    await restart(own_redis, client)
+    await restart(private_redis, client)
     await queue.sweep()
     lease = await queue.lease(2, 0.5)  # asks for two, gets the one that was never acknowledged
     assert lease is not None and [g.group_key for g in lease.groups] == ["g-waiting"]
@@ -140,17 +127,17 @@ async def test_an_acknowledged_group_never_comes_back(own_redis: PrivateRedis, d
     assert queue.republished == 1
 
 
-async def test_two_restarts_in_a_row_and_one_while_leased(own_redis: PrivateRedis, db: Backend, client: Any) -> None:
+async def test_two_restarts_in_a_row_and_one_while_leased(private_redis: PrivateRedis, db: Backend, client: Any) -> None:
     queue = make_queue(client, db)
     await export(queue, db, make_group("g0"))
-    await restart(own_redis, client)
-    await restart(own_redis, client)  # again before any upkeep saw the first
+    await restart(private_redis, client)
+    await restart(private_redis, client)  # again before any upkeep saw the first
     await queue.sweep()
     lease = await queue.lease(1, 0.5)
     assert lease is not None and [g.group_key for g in lease.groups] == ["g0"]
 
     # leased, not acknowledged, and Redis restarts: the lease is gone with it and the group comes back
-    await restart(own_redis, client)
+    await restart(private_redis, client)
     await queue.sweep()
     with pytest.raises(errors.NotFound):  # the old lease is unknown to the new Redis (404)
         await queue.ack(lease.id)
@@ -158,15 +145,15 @@ async def test_two_restarts_in_a_row_and_one_while_leased(own_redis: PrivateRedi
     assert again is not None and [g.group_key for g in again.groups] == ["g0"]
     assert await queue.ack(again.id) == 1
 
-    await restart(own_redis, client)  # a third restart after the ack: nothing comes back
+    await restart(private_redis, client)  # a third restart after the ack: nothing comes back
     await queue.sweep()
     assert await queue.lease(1, 0.0) is None
     assert queue.republished == 2
 
 
-async def test_two_replicas_rebuild_at_once_and_each_group_is_queued_once(own_redis: PrivateRedis, db: Backend,
+async def test_two_replicas_rebuild_at_once_and_each_group_is_queued_once(private_redis: PrivateRedis, db: Backend,
                                                                            client: Any) -> None:
-    other = aioredis.Redis.from_url(own_redis.url, decode_responses=False)  # the second replica's client
+    other = aioredis.Redis.from_url(private_redis.url, decode_responses=False)  # the second replica's client
     try:
         first, second = make_queue(client, db), make_queue(other, db)
         keys = [f"g{i}" for i in range(5)]
@@ -175,7 +162,7 @@ async def test_two_replicas_rebuild_at_once_and_each_group_is_queued_once(own_re
         sessions = {s for key in keys for s in make_group(key).session_ids}
         assert (await first.counts()).pending_ids == sessions
 
-        await restart(own_redis, client)
+        await restart(private_redis, client)
         await other.connection_pool.disconnect()
         # before any upkeep the new Redis is empty, yet the pending sessions are still counted (from SQL);
         # the first call after the restart answers NOGROUP (a 503) and has the next one recreate the group
@@ -197,7 +184,7 @@ async def test_two_replicas_rebuild_at_once_and_each_group_is_queued_once(own_re
         await other.aclose()
 
 
-async def test_a_stale_group_dropped_stays_dropped(own_redis: PrivateRedis, db: Backend, client: Any) -> None:
+async def test_a_stale_group_dropped_stays_dropped(private_redis: PrivateRedis, db: Backend, client: Any) -> None:
     queue = make_queue(client, db)
     await export(queue, db, make_group("g-stale", min_version=0))
     assert await queue.lease(1, 0.0, min_version=5) is None  # too old for the trainer: held back
@@ -205,13 +192,13 @@ async def test_a_stale_group_dropped_stays_dropped(own_redis: PrivateRedis, db: 
     assert (done.dropped_groups, done.dropped_sessions) == (1, 2)
     assert await sql_rows(db) == {}  # else a rebuild would queue it again and give its budget back twice
 
-    await restart(own_redis, client)
+    await restart(private_redis, client)
     await queue.sweep()
     assert await queue.lease(1, 0.0) is None
     assert queue.republished == 0
 
 
-async def test_an_ack_while_the_database_is_down_is_finished_by_the_upkeep(own_redis: PrivateRedis, db: Backend,
+async def test_an_ack_while_the_database_is_down_is_finished_by_the_upkeep(private_redis: PrivateRedis, db: Backend,
                                                                            client: Any) -> None:
     queue = make_queue(client, db)
     await export(queue, db, make_group("g0"))
@@ -232,6 +219,6 @@ async def test_an_ack_while_the_database_is_down_is_finished_by_the_upkeep(own_r
     await queue.sweep()  # the next upkeep deletes it
     assert await sql_rows(db) == {}
     assert await client.smembers(queue.done) == set()
-    await restart(own_redis, client)
+    await restart(private_redis, client)
     await queue.sweep()
     assert await queue.lease(1, 0.0) is None
