@@ -17,99 +17,19 @@ import json
 import re
 import shlex
 import shutil
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from agentrl.cli import build_parser
 from agentrl.group import GroupRun, check
 from agentrl.trajectory import decode_batch
-from gateway.app import create_app
 from gateway.episodes import table
-from gateway.settings import GatewaySettings
-from tests.conftest import free_port
-from tests.gateway.episodes.clis import ByPrompt, installed_clis
-from tests.gateway.episodes.conftest import ADMIN, AGENT, tokenizer  # noqa: F401 (fixture)
+from tests.gateway.episodes.clis import CONTEXT, TASK, ByPrompt, call, claude_command, installed_clis, served
+from tests.gateway.episodes.conftest import ADMIN, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
-
-CONTEXT = 131072
-TASK = "SUBTASK-7f3a: create a file hello.txt in the current directory containing exactly hi, then report done."
-PROMPT = ("Use a sub-agent (the Agent tool) to create a file named hello.txt in the current directory containing "
-          "exactly the word hi, then reply done.")
-
-
-def call(name: str, arguments: dict[str, Any]) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
-
-
-REPLIES = {
-    "agent": "I'll delegate this to a sub-agent.\n" + call("Agent", {"description": "Create hello file", "prompt": TASK,
-                                                                     "subagent_type": "general-purpose"}),
-    "bash_hi": call("Bash", {"command": "printf 'hi\\n' > hello.txt", "description": "Create hello.txt"}),
-    "bash_bye": call("Bash", {"command": "printf 'bye\\n' > hello.txt", "description": "Create hello.txt"}),
-    "done": "Done.",
-}
-
-
-class Script:
-    """Which reply a prompt gets: a thread that has answered before (an assistant turn before the one being
-    generated) is done; a thread's first turn calls ``Bash`` if its task is the sub-agent's, else ``Agent``
-    (the CLIs add reminders and system messages after tool results, so the prompt's structure is read, not
-    its last message)."""
-
-    def __init__(self) -> None:
-        self.bash = 0
-
-    def __call__(self, prompt: str) -> str:
-        if prompt.count("<|im_start|>assistant") > 1:
-            return "done"
-        if TASK in prompt:
-            self.bash += 1
-            return "bash_hi" if self.bash % 2 else "bash_bye"
-        return "agent"
-
-
-@asynccontextmanager
-async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path,
-                 engine: ByPrompt | None = None) -> AsyncIterator[tuple[str, Any, ByPrompt]]:
-    engine = engine or ByPrompt({k: build_app(str(tiny_model_dir), [v], tokenizer=tok, context_length=CONTEXT)
-                                 for k, v in REPLIES.items()}, tok, Script())
-    settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                               admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600, context_length=CONTEXT)
-    settings.validate()
-    async with httpx.AsyncClient(transport=engine, timeout=120) as engine_http:
-        app = create_app(settings, http=engine_http, tokenizer=tok)
-        async with app.router.lifespan_context(app):
-            port = free_port()
-            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                   lifespan="off"))
-            task = asyncio.create_task(server.serve())
-            try:
-                while not server.started:
-                    assert not task.done(), "the gateway did not start"
-                    await asyncio.sleep(0.05)
-                yield f"http://127.0.0.1:{port}", app, engine
-            finally:
-                server.should_exit = True
-                await task
-
-
-def claude_command(claude: str) -> list[str]:
-    """One attempt: Claude Code as the capture kit ran it, in the attempt's own home and directory."""
-    env = ("HOME=\"$AGENTRL_WORKDIR/../home\" CLAUDE_CONFIG_DIR=\"$AGENTRL_WORKDIR/../home/.claude\" TERM=dumb "
-           "DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 DISABLE_BUG_COMMAND=1 "
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_GROWTHBOOK=1 DISABLE_UPDATES=1 "
-           "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY=1 DISABLE_COST_WARNINGS=1 DISABLE_INSTALLATION_CHECKS=1 "
-           "CLAUDE_CODE_DISABLE_OFFICIAL_MARKETPLACE_AUTOINSTALL=1 CLAUDE_CODE_MAX_RETRIES=1")
-    args = " ".join(shlex.quote(a) for a in [claude, "-p", PROMPT, "--output-format", "json", "--permission-mode",
-                                              "acceptEdits", "--allowedTools", "Bash", "Write", "Edit", "Read",
-                                              "Agent", "Task", "--no-session-persistence"])
-    return ["sh", "-c", f"mkdir -p \"$AGENTRL_WORKDIR/../home\" && {env} {args}"]
 
 
 async def test_claude_code_with_a_sub_agent_four_attempts_as_a_group(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
