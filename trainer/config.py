@@ -82,6 +82,7 @@ class TrainerSettings:
     resume: bool = field(default=True, metadata=_h("resume from the newest checkpoint in checkpoint_dir (continues the version count)"))
     lease_wait_s: float = field(default=30.0, metadata=_h("long-poll wait for a batch of finished groups"))
     max_idle_s: float = field(default=0.0, metadata=_h("stop when no data arrived for this long (0 = wait forever)"))
+    outage_give_up_s: float = field(default=1800.0, metadata=_h("a gateway or engine that is down (connection errors, 502/503/504) is waited for with a bounded back-off, logged once per outage; the trainer stops with an error only after it stayed down this long"))
     device: str = field(default="auto", metadata=_h("auto (cuda if available), cpu or cuda", choices=DEVICES))
     dtype: str = field(default="float32", metadata=_h("compute dtype (parameters and optimizer state stay float32; bfloat16 = FSDP2 mixed precision with several ranks, bf16 compute weights kept beside the float32 ones with one)", choices=DTYPES))
     seed: int = field(default=0, metadata=_h("random seed"))
@@ -128,6 +129,8 @@ class TrainerSettings:
             raise SettingsError(f"gamma={self.gamma}: use a discount within [0, 1], or -1 to keep the exported rewards")
         if self.staleness_bound < 0:
             raise SettingsError(f"staleness_bound={self.staleness_bound}: use 0 (strictly on-policy) or more")
+        if self.outage_give_up_s < 0:
+            raise SettingsError(f"outage_give_up_s={self.outage_give_up_s}: use 0 (give up at the first failure) or more")
         if self.sync_retries < 1:
             raise SettingsError(f"sync_retries={self.sync_retries}: at least one attempt is needed (--sync-retries 1 or more)")
         if self.sync_bucket_mb <= 0:

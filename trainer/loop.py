@@ -32,8 +32,9 @@ from agentrl.settings import SettingsError
 from trainer.config import RELEASE_MEMORY, TrainerSettings
 from trainer.data import GatewayError, Lease, LeaseClient, SeenRows, describe_batch, drop_duplicates
 from trainer.model import DistInfo, build_optimizer, init_distributed, load_model
+from trainer.outage import OutageRetry
 from trainer.step import train_step
-from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, TensorSync,
+from trainer.weight_sync import (BroadcastSync, DirectControl, DiskSync, GatewayControl, TensorSync, WeightSyncError,
                                  broadcast_object, engines_released, push_weights, relabel_version)
 
 log = logging.getLogger("trainer")
@@ -63,8 +64,22 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
         state = checkpoint.load_state(resume_from)
     seen = SeenRows.from_state(state.seen_rows)
     http = http or httpx.Client(timeout=120.0)
+    # a gateway replica or an engine that is down is waited for (trainer/outage.py), not a reason to exit
+    retry = OutageRetry(settings.outage_give_up_s)
     leases = LeaseClient(settings.gateway, settings.admin_key, client=http) if info.is_main else None
     control, transport = build_sync(settings, model_dir, info, http)
+    # never publish a version number already used: continue above what the gateway and the engines have seen
+    # (a resume from an older checkpoint, or a fresh trainer against a running system)
+    seen_version = broadcast_object(retry.call("asking the gateway and engines their weight version",
+                                               lambda: peer_version(settings, control, http),
+                                               errors=(GatewayError,)) if info.is_main and control is not None
+                                    else None, info)
+    fresh_label = int(resume_from is not None or bool(settings.lora))  # the weights pushed at start are not the served ones
+    if seen_version is not None and seen_version > state.version:
+        log.warning("the gateway or an engine is at weight version %d, above this trainer's %d (a resume from an "
+                    "older checkpoint, or a new trainer): continuing from %d so that no version number names two "
+                    "weight sets", seen_version, state.version, seen_version + fresh_label)
+        state.version = seen_version + fresh_label
     push = push_weights
     if settings.lora and transport is not None:  # only the adapter goes to the engines (trainer/lora_push.py)
         transport = lora_push.AdapterSync(settings.lora_name, settings.sync_mode, client=http,
@@ -76,18 +91,19 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
         # exist). The trainer therefore does not register: no version, no staleness budget from it.
         log.warning("--sync-mode none: weights are never pushed; the gateway's weight version and staleness "
                     "budget are left alone (this trainer does not register with POST /admin/trainer)")
-    announce_trainer(control, settings, state.version, info)
+    announce_trainer(control, settings, state.version, info, retry=retry)
     # engines may have restarted on the base weights; a LoRA run's adapter must be there before requests name it
     if (resume_from is not None or settings.lora) and transport is not None:
-        push(model, state.version, info=info, transport=transport, control=control,
-                     retries=settings.sync_retries)
+        retry.call("weight push at start", lambda: push(model, state.version, info=info, transport=transport,
+                                                        control=control, retries=settings.sync_retries),
+                   errors=(WeightSyncError,), info=info)
     metrics_out = open_metrics(settings, info)
     idle_since = explained_at = time.monotonic()
     stop_at = state.step + settings.steps if settings.steps else None  # --steps counts from here
     trained_since_save = False
 
     while stop_at is None or state.step < stop_at:
-        lease = next_lease(leases, settings, info)
+        lease = next_lease(leases, settings, info, retry)
         if lease is None:
             if settings.max_idle_s and time.monotonic() - idle_since > settings.max_idle_s:
                 log.warning("no data for %.0f s; stopping", settings.max_idle_s)
@@ -97,7 +113,7 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
         idle_since = explained_at = time.monotonic()
         rows, dropped = drop_duplicates(lease.rows, seen)
         if not rows:  # everything was trained on already: a re-delivery after a crash before the ack
-            ack(leases, lease, info)
+            ack(leases, lease, info, retry)
             continue
 
         batch = describe_batch(rows, settings.gamma_or_none)
@@ -106,16 +122,18 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
             metrics = {"skipped": "zero_variance"}
             warn_zero_variance(batch, info)
             if transport is not None:  # same weights, next version: tokens are tagged as fresh, not stale
-                relabel_version(state.version + 1, info=info, control=control, client=http,
-                                engine_kind=settings.engine_kind)
+                retry.call("relabelling the weight version", lambda: relabel_version(
+                    state.version + 1, info=info, control=control, client=http, engine_kind=settings.engine_kind),
+                    errors=(WeightSyncError,))
         else:
             with engines_released(RELEASE_MEMORY[settings.release_memory], state.version, info=info,
                                   control=control, client=http, engine_kind=settings.engine_kind) as released:
                 metrics = train_step(model, optimizer, rows, settings, info, version=state.version)
             metrics.update(released)
-            if transport is not None:
-                pushed = push(model, state.version + 1, info=info, transport=transport, control=control,
-                                      retries=settings.sync_retries)
+            if transport is not None:  # a peer that is down is waited for; the batch stays unacknowledged
+                pushed = retry.call(f"weight push v{state.version + 1}", lambda: push(
+                    model, state.version + 1, info=info, transport=transport, control=control,
+                    retries=settings.sync_retries), errors=(WeightSyncError,), info=info)
                 metrics.update({"sync/seconds": pushed.seconds, "sync/paused_s": pushed.paused_s,
                                 "sync/gb_per_s": pushed.gb_per_s,
                                 "sync/attempts": pushed.attempts,
@@ -124,12 +142,12 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
         state.step += 1
         for row in rows:
             seen.add(row.row_id)
-        ack(leases, lease, info)
+        ack(leases, lease, info, retry)
 
         metrics.update({"step": state.step, "version": state.version, "batch/duplicates_dropped": dropped,
                         **batch, "gateway/gamma": (lease.meta.get("leases") or [{}])[0].get("gamma"),
                         "time": time.time()})
-        announce_trainer(control, settings, state.version, info, metrics=metrics)
+        announce_trainer(control, settings, state.version, info, metrics=metrics, retry=retry)
         log_metrics(metrics, metrics_out, info)
         if not skipped:
             trained_since_save = True
@@ -185,14 +203,70 @@ def explain_wait(leases: LeaseClient | None, idle_since: float, explained_at: fl
 
 
 def announce_trainer(control: Any, settings: TrainerSettings, version: int, info: DistInfo,
-                     metrics: dict[str, Any] | None = None) -> None:
+                     metrics: dict[str, Any] | None = None, retry: OutageRetry | None = None) -> None:
     """Tell the gateway the trainer's version, batch size, staleness bound and group size (admission), and
     after a step that step's numeric metrics (the gateway's trainer page charts them)."""
     if info.is_main and isinstance(control, GatewayControl):
         numbers = {k: float(v) for k, v in (metrics or {}).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-        control.register_trainer(version, settings.batch_groups, settings.staleness_bound, settings.group_size,
-                                 metrics=numbers or None)
+        def register() -> None:
+            control.register_trainer(version, settings.batch_groups, settings.staleness_bound, settings.group_size,
+                                     metrics=numbers or None)
+
+        if retry is None:
+            register()
+        else:
+            retry.call("registering with the gateway (POST /admin/trainer)", register, errors=(WeightSyncError,))
+
+
+def peer_version(settings: TrainerSettings, control: Any, client: httpx.Client) -> int:
+    """The highest weight version the gateway or an engine reports (0 if none says): the gateway's served
+    version (``GET /admin/weight_version``), its registered trainer's (``GET /v1/trajectories/stats``), and
+    each engine's (``/model_info``, ``/get_model_info`` or vLLM's ``/weight_info``). A peer that cannot be
+    reached raises GatewayError (the caller waits for it); one that answers without a version counts 0."""
+    versions = [0]
+    headers = {"Authorization": f"Bearer {settings.admin_key}"}
+    urls: list[str] = []
+    if isinstance(control, GatewayControl):
+        base = settings.gateway.rstrip("/")
+        for path, pick in (("/admin/weight_version", lambda d: d.get("weight_version")),
+                           ("/v1/trajectories/stats", lambda d: (d.get("trainer") or {}).get("version"))):
+            versions.append(_version_of(client, base + path, headers, pick))
+        try:
+            urls = control.engines()
+        except WeightSyncError as exc:
+            raise GatewayError(str(exc)) from exc
+    else:
+        urls = list(control.engines())
+    for url in urls:
+        for path in ("/model_info", "/get_model_info", "/weight_info"):
+            try:
+                got = _version_of(client, url.rstrip("/") + path, {}, lambda d: d.get("weight_version"))
+            except GatewayError:
+                if len(urls) > 1:  # an engine that is down has no say; the gateway knows what it served
+                    break
+                raise
+            if got >= 0:
+                versions.append(got)
+                break
+    return max(versions)
+
+
+def _version_of(client: httpx.Client, url: str, headers: dict[str, str], pick: Any) -> int:
+    """The version ``pick`` finds in ``url``'s JSON; -1 for a route that does not exist or carries none."""
+    try:
+        resp = client.get(url, headers=headers, timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise GatewayError(f"cannot read the weight version at {url}: {exc!r}") from exc
+    if resp.status_code in (502, 503, 504):
+        raise GatewayError(f"GET {url} answered {resp.status_code}")
+    if resp.status_code != 200:
+        return -1
+    try:
+        value = pick(resp.json())
+        return int(value) if value is not None else -1
+    except (ValueError, TypeError, AttributeError):
+        return -1
 
 
 def warn_zero_variance(batch: dict[str, Any], info: DistInfo) -> None:
@@ -205,7 +279,8 @@ def warn_zero_variance(batch: dict[str, Any], info: DistInfo) -> None:
             batch["batch/groups"], rewards[:8])
 
 
-def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: DistInfo) -> Lease | None:
+def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: DistInfo,
+               retry: OutageRetry | None = None) -> Lease | None:
     """Rank 0 leases up to ``batch_groups`` groups; every rank gets the same rows (bytes broadcast).
 
     Leases are taken until the batch is full or a wait of ``lease_wait_s`` brings nothing more; a partial
@@ -214,7 +289,7 @@ def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: Dist
     payload: Any = None
     if info.is_main and leases is not None:
         try:
-            payload = _lease_batch(leases, settings)
+            payload = _lease_batch(leases, settings, retry)
         except GatewayError as exc:  # every rank must stop, not only rank 0
             payload = exc
     payload = broadcast_object(payload, info)
@@ -227,11 +302,17 @@ def next_lease(leases: LeaseClient | None, settings: TrainerSettings, info: Dist
                  meta={"leases": [meta for _, meta in parts]}, lease_ids=[lid for _, lid in payload])
 
 
-def _lease_batch(leases: LeaseClient, settings: TrainerSettings) -> list[tuple[bytes, str]] | None:
+def _lease_batch(leases: LeaseClient, settings: TrainerSettings,
+                 retry: OutageRetry | None = None) -> list[tuple[bytes, str]] | None:
     got: list[tuple[bytes, str]] = []
     groups: set[str] = set()
     while len(groups) < settings.batch_groups:
-        lease = leases.lease(settings.batch_groups - len(groups), settings.lease_wait_s)
+        want = settings.batch_groups - len(groups)
+        if retry is None:
+            lease = leases.lease(want, settings.lease_wait_s)
+        else:
+            lease = retry.call("leasing trajectories (GET /v1/trajectories)",
+                               lambda: leases.lease(want, settings.lease_wait_s), errors=(GatewayError,))
         if lease is None:
             break
         got.append((lease.raw, lease.lease_id))
@@ -239,13 +320,18 @@ def _lease_batch(leases: LeaseClient, settings: TrainerSettings) -> list[tuple[b
     return got or None
 
 
-def ack(leases: LeaseClient | None, lease: Lease, info: DistInfo) -> None:
-    """Acknowledge the batch's leases. A refused ack (e.g. the lease expired during a long step) is only
-    logged: the rows were trained on, and if the gateway re-delivers them they are dropped as duplicates."""
+def ack(leases: LeaseClient | None, lease: Lease, info: DistInfo, retry: OutageRetry | None = None) -> None:
+    """Acknowledge the batch's leases (a gateway that is down is waited for). A refused ack (e.g. the lease
+    expired during a long step) is only logged: the rows were trained on, and if the gateway re-delivers
+    them they are dropped as duplicates."""
     if info.is_main and leases is not None:
         for lease_id in lease.lease_ids:
             try:
-                leases.ack(lease_id)
+                if retry is None:
+                    leases.ack(lease_id)
+                else:
+                    retry.call(f"acknowledging lease {lease_id}", lambda: leases.ack(lease_id),
+                               errors=(GatewayError,))
             except GatewayError as exc:
                 log.warning("%s; its rows will be dropped as duplicates if they come back", exc)
 

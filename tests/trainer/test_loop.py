@@ -231,7 +231,8 @@ def test_release_memory_frees_the_engines_during_the_step_and_takes_it_back_befo
     gw = FakeGateway([synthetic_rows(2, 3, seed=1)])
     state = train(_settings(tmp_path, steps=1, sync_mode="disk", release_memory="all"), http=gw.client())
     assert state.step == 1
-    calls = [path for path, _ in gw.admin if path not in ("/admin/engines", "/admin/trainer", "/get_model_info")]
+    calls = [path for path, _ in gw.admin if path not in ("/admin/engines", "/admin/trainer", "/get_model_info",
+                                                        "/admin/weight_version", "/model_info", "/weight_info")]
     assert calls == ["/admin/pause", "/release_memory_occupation", "/resume_memory_occupation", "/admin/pause",
                      "/update_weights_from_disk", "/admin/resume"], calls
     bodies = dict(gw.admin)
