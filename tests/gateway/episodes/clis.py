@@ -133,8 +133,9 @@ class Script:
 
 
 @asynccontextmanager
-async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path,
-                 engine: ByPrompt | None = None) -> AsyncIterator[tuple[str, Any, ByPrompt]]:
+async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path, engine: ByPrompt | None = None,
+                 wrap: Callable[[Any], Any] | None = None) -> AsyncIterator[tuple[str, Any, ByPrompt]]:
+    """The gateway on a real socket; ``wrap``: an ASGI middleware around it (to watch what reaches it)."""
     engine = engine or ByPrompt({k: build_app(str(tiny_model_dir), [v], tokenizer=tok, context_length=CONTEXT)
                                  for k, v in REPLIES.items()}, tok, Script())
     settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
@@ -144,8 +145,8 @@ async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path,
         app = create_app(settings, http=engine_http, tokenizer=tok)
         async with app.router.lifespan_context(app):
             port = free_port()
-            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                                   lifespan="off"))
+            server = uvicorn.Server(uvicorn.Config(wrap(app) if wrap else app, host="127.0.0.1", port=port,
+                                                   log_level="warning", lifespan="off"))
             task = asyncio.create_task(server.serve())
             try:
                 while not server.started:
@@ -169,3 +170,26 @@ def claude_command(claude: str, *extra: str) -> list[str]:
                                               "acceptEdits", "--allowedTools", "Bash", "Write", "Edit", "Read",
                                               "Agent", "Task", "--no-session-persistence", *extra])
     return ["sh", "-c", f"mkdir -p \"$AGENTRL_WORKDIR/../home\" && {env} {args}"]
+
+
+CODEX_PROMPT = ("Spawn a sub-agent to create a file named hello.txt in the current directory containing exactly "
+                "the word hi, wait for it, then reply done.")
+# Codex's provider: the gateway as a custom Responses provider reading the attempt's bound URL and key
+GATEWAY_PROVIDER = ('model_provider = "gateway"\n[model_providers.gateway]\nname = "gateway"\n'
+                    'base_url = "$OPENAI_BASE_URL"\nenv_key = "OPENAI_API_KEY"\nwire_api = "responses"\n'
+                    'request_max_retries = 1\nstream_max_retries = 1\nsupports_websockets = false\n')
+
+
+def codex_command(codex: str, prompt: str = CODEX_PROMPT, extra: str = "",
+                  provider: str = GATEWAY_PROVIDER, env: str = "") -> list[str]:
+    """One attempt: Codex with ``provider`` (TOML: its top-level keys, then its tables), in its own home;
+    ``extra``: more top-level keys; ``env``: more of its environment (``NAME="value" ...``)."""
+    config = (extra + 'model = "gpt-5-codex"\ncheck_for_update_on_startup = false\n' + provider +
+              '[analytics]\nenabled = false\n[feedback]\nenabled = false\n')
+    home = '"$AGENTRL_WORKDIR/../home"'
+    run = " ".join(shlex.quote(a) for a in [codex, "exec", "--skip-git-repo-check", "--ephemeral", "--json", "-s",
+                                             "danger-full-access"])
+    config = config.replace('"', '\\"')  # inside the shell's double quotes ($OPENAI_BASE_URL expands)
+    return ["sh", "-c", f'mkdir -p {home}/.codex && printf "{config}" > {home}/.codex/config.toml && '
+                        f'{env} HOME={home} CODEX_HOME={home}/.codex TERM=dumb {run} -C "$AGENTRL_WORKDIR" '
+                        f'{shlex.quote(prompt)}']

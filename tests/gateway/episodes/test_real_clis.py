@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,8 @@ from agentrl.cli import build_parser
 from agentrl.group import GroupRun, check
 from agentrl.trajectory import decode_batch
 from gateway.episodes import table
-from tests.gateway.episodes.clis import CONTEXT, TASK, ByPrompt, call, claude_command, installed_clis, served
+from tests.gateway.episodes.clis import (CODEX_PROMPT, CONTEXT, TASK, ByPrompt, call, claude_command, codex_command,
+                                         installed_clis, served)
 from tests.gateway.episodes.conftest import ADMIN, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
 
@@ -73,8 +73,6 @@ async def test_claude_code_with_a_sub_agent_four_attempts_as_a_group(tiny_model_
 
 # ------------------------------------------------------------------------------------------------- Codex
 
-CODEX_PROMPT = ("Spawn a sub-agent to create a file named hello.txt in the current directory containing exactly "
-                "the word hi, wait for it, then reply done.")
 AGENT_ID = re.compile(r'"agent_id":\s*"([^"]+)"')
 
 
@@ -89,22 +87,6 @@ def codex_script(prompt: str) -> str:
     if answered == 1 and found:
         return call("wait_agent", {"targets": [found[-1]], "timeout_ms": 60000})
     return "Done."
-
-
-def codex_command(codex: str, prompt: str = CODEX_PROMPT, extra: str = "") -> list[str]:
-    """One attempt: Codex with a provider reading the attempt's bound URL and key, in its own home."""
-    config = (extra + 'model = "gpt-5-codex"\nmodel_provider = "gateway"\ncheck_for_update_on_startup = false\n'
-              '[analytics]\nenabled = false\n[feedback]\nenabled = false\n[model_providers.gateway]\n'
-              'name = "gateway"\nbase_url = "$OPENAI_BASE_URL"\nenv_key = "OPENAI_API_KEY"\n'
-              'wire_api = "responses"\nrequest_max_retries = 1\nstream_max_retries = 1\n'
-              'supports_websockets = false\n')
-    home = '"$AGENTRL_WORKDIR/../home"'
-    run = " ".join(shlex.quote(a) for a in [codex, "exec", "--skip-git-repo-check", "--ephemeral", "--json", "-s",
-                                             "danger-full-access"])
-    config = config.replace('"', '\\"')  # inside the shell's double quotes ($OPENAI_BASE_URL expands)
-    return ["sh", "-c", f'mkdir -p {home}/.codex && printf "{config}" > {home}/.codex/config.toml && '
-                        f'HOME={home} CODEX_HOME={home}/.codex TERM=dumb {run} -C "$AGENTRL_WORKDIR" '
-                        f'{shlex.quote(prompt)}']
 
 
 async def test_codex_with_a_spawned_agent_four_attempts_as_a_group(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811

@@ -1,0 +1,118 @@
+"""Codex 0.171.0's Responses WebSocket, against this gateway, with the real CLI (npm).
+
+Codex can send its turns over a WebSocket (``GET /v1/responses`` with ``Upgrade: websocket`` and
+``openai-beta: responses_websockets=…``) instead of ``POST /v1/responses``. The gateway serves no WebSocket:
+an upgrade is refused at the handshake (uvicorn answers 403 to a WebSocket no route accepts). What Codex does
+then, and whether it tries at all, depends on its provider:
+
+* the built-in ``openai`` provider pointed at the gateway (``openai_base_url``): tries the WebSocket first
+  (a prewarm, then the turn, with retries), then falls back to HTTP and the run completes;
+* a custom provider (``[model_providers.X]``, as ``docs/coding-agents.md`` configures it): no WebSocket
+  attempt, with or without ``supports_websockets = false``.
+
+Each run is one ``agentrl group`` attempt over the gateway on a real socket (``served``), a middleware
+around the gateway noting every HTTP request and WebSocket handshake it got; the task is one
+``exec_command`` writing ``hello.txt``, then done, checked by the reward command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentrl.cli import build_parser
+from agentrl.group import GroupRun, check
+from tests.gateway.episodes.clis import CONTEXT, GATEWAY_PROVIDER, ByPrompt, call, codex_command, installed_clis, served
+from tests.gateway.episodes.conftest import ADMIN
+from tests.standin import build_app
+
+PROMPT = "Create a file named hello.txt in the current directory containing exactly the word hi, then reply done."
+PROVIDERS = {
+    "openai": 'model_provider = "openai"\nopenai_base_url = "$OPENAI_BASE_URL"\n',
+    "custom": GATEWAY_PROVIDER,  # supports_websockets = false, as the capture kit ran it
+    "custom-as-documented": ('model_provider = "gateway"\n[model_providers.gateway]\nname = "gateway"\n'
+                             'base_url = "$OPENAI_BASE_URL"\nenv_key = "OPENAI_API_KEY"\nwire_api = "responses"\n'),
+}
+
+# the built-in provider takes its key from CODEX_API_KEY (``codex exec``), not OPENAI_API_KEY
+ENV = {"openai": 'CODEX_API_KEY="$OPENAI_API_KEY"', "custom": "", "custom-as-documented": ""}
+
+
+class Watch:
+    """ASGI middleware: every HTTP request (method, path, status) and WebSocket handshake (path, headers, how
+    it was answered) that reached the gateway."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.seen = app, []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        entry = {"type": scope["type"], "method": scope.get("method", "GET"), "path": scope["path"], "answer": None,
+                 "headers": {k.decode().lower(): v.decode() for k, v in scope["headers"]}}
+        self.seen.append(entry)
+
+        async def watched(message: dict[str, Any]) -> None:
+            if entry["answer"] is None:
+                if message["type"] == "http.response.start":
+                    entry["answer"] = message["status"]
+                elif message["type"].startswith("websocket."):
+                    entry["answer"] = message["type"]  # websocket.close before accept: refused (HTTP 403)
+            await send(message)
+
+        return await self.app(scope, receive, watched)
+
+
+def script(prompt: str) -> str:
+    return "Done." if prompt.count("<|im_start|>assistant") > 1 \
+        else call("exec_command", {"cmd": "printf 'hi\\n' > hello.txt"})
+
+
+@pytest.mark.parametrize("provider", list(PROVIDERS))
+async def test_codex_transport_against_the_gateway(provider: str, tiny_model_dir: Path, tokenizer: Any,
+                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clis, why = await asyncio.to_thread(installed_clis)
+    if clis is None:
+        pytest.skip(f"the real CLIs are not available: {why}")
+
+    def make(reply: str) -> Any:
+        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+
+    watch: list[Watch] = []
+
+    def wrap(app: Any) -> Watch:
+        watch.append(Watch(app))
+        return watch[0]
+
+    engine = ByPrompt({"done": make("Done.")}, tokenizer, script, make)
+    async with served(tiny_model_dir, tokenizer, tmp_path, engine, wrap) as (base, app, _):
+        args = build_parser().parse_args([
+            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--keep", "--timeout-s", "180",
+            "--reward-cmd", "grep -qx hi hello.txt && echo 1 || echo 0", "--",
+            *codex_command(clis["codex"], PROMPT, provider=PROVIDERS[provider], env=ENV[provider])])
+        status = await GroupRun(args, check(args)).run()
+        out = capsys.readouterr().out.strip().splitlines()
+        (attempt,) = [json.loads(line) for line in out[:-1]]
+        logs = Path(json.loads(out[-1])["attempts_dir"])
+        seen = watch[0].seen
+        assert status == 0 and attempt["reward"] == 1.0, (attempt, [p.read_text()[-3000:] for p in logs.rglob("*.log")])
+        turns = await app.state.services.store.session_interactions(session_id=attempt["session_id"])
+        assert len(turns) == 2  # the exec_command turn and the final one, recorded in the attempt's session
+    responses = f"/sessions/{attempt['session_id']}/v1/responses"
+    sockets = [e for e in seen if e["type"] == "websocket"]
+    posts = [i for i, e in enumerate(seen) if e["type"] == "http" and e["path"] == responses]
+    assert [seen[i]["method"] for i in posts] == ["POST", "POST"] and all(seen[i]["answer"] == 200 for i in posts)
+    if provider != "openai":
+        assert sockets == [], sockets  # a custom provider never tries the WebSocket
+    else:
+        # the WebSocket first (a prewarm, then the turn's attempts), every handshake refused (403), then HTTP
+        assert sockets and all(e["path"] == responses and e["answer"] == "websocket.close" for e in sockets)
+        assert "responses_websockets=" in sockets[0]["headers"]["openai-beta"]
+        assert json.loads(sockets[0]["headers"]["x-codex-turn-metadata"])["request_kind"] == "prewarm"
+        assert max(seen.index(e) for e in sockets) < posts[0]  # and it stays on HTTP for the rest of the run
+    shutil.rmtree(logs)
