@@ -396,6 +396,44 @@ class SGLangOps:
         post(self.client, f"{self.url}/update_weight_version",
              {"new_version": str(version), "abort_all_requests": False})
 
+    # ------------------------------------------------------------------------------ LoRA adapters
+    # Routes and bodies read in 0.5.19 and 0.5.23 (``srt/entrypoints/http_server.py``, ``srt/managers/
+    # io_struct.py``: LoadLoRAAdapterReqInput, LoadLoRAAdapterFromTensorsReqInput, UnloadLoRAAdapterReqInput);
+    # each answers ``LoRAUpdateOutput`` {success, error_message, loaded_adapters}, 400 when refused. The server
+    # runs with ``--enable-lora`` (and ``--max-lora-rank``, ``--lora-target-modules`` to load adapters later).
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load the peft directory ``path`` as ``name`` (refused, 400, while ``name`` is loaded)."""
+        post(self.client, f"{self.url}/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+             timeout=600.0)
+
+    def load_adapter_tensors(self, name: str, config_dict: dict[str, Any], serialized: str) -> None:
+        """Load an adapter from tensors: ``config_dict`` is the ``adapter_config.json`` content, ``serialized``
+        base64 of SGLang's ``MultiprocessingSerializer`` form of ``{peft key: tensor}`` (one copy per TP rank)."""
+        post(self.client, f"{self.url}/load_lora_adapter_from_tensors",
+             {"lora_name": name, "config_dict": config_dict, "serialized_named_tensors": self.tensor_payloads(serialized),
+              "load_format": None}, timeout=600.0)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Unload ``name``; False when the engine did not have it (SGLang's 400 "... does not exist")."""
+        try:
+            post(self.client, f"{self.url}/unload_lora_adapter", {"lora_name": name})
+        except EngineOpsError as exc:
+            if "does not exist" in str(exc):  # lora/lora_registry.py's answer for an unknown name
+                return False
+            raise
+        return True
+
+    def reload_adapter(self, name: str, path: str) -> None:
+        """A new version under the same name: SGLang refuses to load a loaded name, so unload, then load (while
+        generation is paused: no request sees the name missing). The reloaded adapter gets a new id, and the
+        radix cache is keyed by it: no KV of the old version is reused."""
+        self.unload_adapter(name)
+        self.load_adapter(name, path)
+
+    def reload_adapter_tensors(self, name: str, config_dict: dict[str, Any], serialized: str) -> None:
+        self.unload_adapter(name)
+        self.load_adapter_tensors(name, config_dict, serialized)
+
     # ------------------------------------------------------------------------------ memory
     def release_memory(self, tags: list[str]) -> None:
         # ReleaseMemoryOccupationReqInput (0.5.19, 0.5.23); the server must be idle (the gateway's abort pause)

@@ -288,6 +288,46 @@ class VLLMOps:
     def set_version(self, version: int) -> None:
         post(self.client, f"{self.url}/update_weight_version", {"new_version": str(version)})
 
+    # ------------------------------------------------------------------------------ LoRA adapters
+    # vllm 0.32 ``entrypoints/serve/lora/api_router.py`` (bodies ``serve/lora/protocol.py``: LoadLoRAAdapterRequest
+    # {lora_name, lora_path, load_inplace, is_3d_lora_weight}, UnloadLoRAAdapterRequest {lora_name,
+    # lora_int_id}); the routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, and loading needs
+    # ``--enable-lora --max-lora-rank R``. A success is 200 with a plain-text body; a refusal vLLM's
+    # ErrorResponse (400 for a loaded name without ``load_inplace``, 404 for an unknown name on unload).
+    # Requests name the adapter as ``model``.
+    def load_adapter(self, name: str, path: str, *, inplace: bool = False) -> None:
+        """Load the peft directory ``path`` as ``name``; ``inplace``: replace the adapter already loaded under
+        ``name`` (``load_inplace``: the worker loads and checks the new one before it drops the old one, and
+        the adapter keeps its id)."""
+        post(self.client, f"{self.url}/v1/load_lora_adapter",
+             {"lora_name": name, "lora_path": str(path), "load_inplace": inplace}, timeout=600.0)
+
+    def load_adapter_tensors(self, name: str, config_dict: dict[str, Any], serialized: str) -> None:
+        raise EngineOpsError(f"{self.url}: vLLM loads LoRA adapters only from a directory (POST "
+                             "/v1/load_lora_adapter has no tensor form); use --sync-mode disk")
+
+    def unload_adapter(self, name: str) -> bool:
+        """Unload ``name``; False when vLLM did not have it (404)."""
+        url = f"{self.url}/v1/unload_lora_adapter"
+        try:
+            resp = self.client.post(url, json={"lora_name": name}, timeout=120.0)
+        except httpx.HTTPError as exc:
+            raise EngineOpsError(f"POST {url} failed: {exc!r}") from exc
+        if resp.status_code == 404 and "cannot be found" in resp.text:
+            return False
+        if resp.status_code >= 300:
+            raise EngineOpsError(f"POST {url} answered {resp.status_code}: {resp.text[:300]}")
+        return True
+
+    def reload_adapter(self, name: str, path: str) -> None:
+        """A new version under the same name, in one call (``load_inplace``): the name never goes missing.
+        vLLM keys its prefix cache by the adapter's name and path, so a new directory per version (the
+        trainer's ``NAME-vN``) reuses no KV of the old one; the same path would (vLLM warns)."""
+        self.load_adapter(name, path, inplace=True)
+
+    def reload_adapter_tensors(self, name: str, config_dict: dict[str, Any], serialized: str) -> None:
+        self.load_adapter_tensors(name, config_dict, serialized)
+
     def sleep_mode(self) -> bool:
         """Whether the server runs with ``--enable-sleep-mode`` (``GET /server_info?config_format=json``, a dev
         route: ``vllm_config.model_config.enable_sleep_mode``); read once."""
