@@ -1,28 +1,31 @@
 """Adapter push: only the LoRA adapter goes to the engines, inside the same pause -> update -> resume as a full push.
 
-A LoRA run's base weights never change, so a push sends megabytes instead of the whole model. The engine
-routes are SGLang's (0.5.19 ``srt/entrypoints/http_server.py``, bodies ``srt/managers/io_struct.py``), which
-the embedded engine serves as well:
+A LoRA run's base weights never change, so a push sends megabytes instead of the whole model. The per-kind
+routes are the engines' own (:class:`engines.sglang.SGLangOps` and :class:`engines.vllm.VLLMOps`, methods
+``reload_adapter`` / ``reload_adapter_tensors`` / ``unload_adapter``; :class:`AdapterSync` picks them by
+``engine_kind``, ``auto`` detecting each engine):
 
-- ``POST /load_lora_adapter {"lora_name", "lora_path"}``: a peft adapter directory the engine can read;
-- ``POST /load_lora_adapter_from_tensors {"lora_name", "config_dict", "serialized_named_tensors",
-  "load_format"}``: ``config_dict`` is the ``adapter_config.json`` content and ``serialized_named_tensors[0]``
-  base64 of a ``ForkingPickler`` dump of ``{peft key: tensor}`` (CUDA IPC handles on a GPU, shared-memory files
-  on a CPU: the engine must run on the trainer's machine);
-- ``POST /unload_lora_adapter {"lora_name"}``;
-- each answers ``{"success", "error_message", "loaded_adapters"}`` (400 when refused).
+- SGLang (0.5.19 and 0.5.23, which the embedded engine speaks too): ``POST /load_lora_adapter {"lora_name",
+  "lora_path"}``, ``POST /load_lora_adapter_from_tensors {"lora_name", "config_dict",
+  "serialized_named_tensors", "load_format"}`` (``config_dict``: the ``adapter_config.json`` content;
+  ``serialized_named_tensors``: per TP rank, base64 of a ``ForkingPickler`` dump of ``{peft key: tensor}``,
+  CUDA IPC handles on a GPU, shared-memory files on a CPU: the engine must run on the trainer's machine),
+  ``POST /unload_lora_adapter {"lora_name"}``; each answers ``{"success", "error_message",
+  "loaded_adapters"}`` (400 when refused). SGLang refuses to load a loaded name, so a new version is unload +
+  load, done while generation is paused (a request naming the adapter waits in the gateway or the paused
+  engine, never sees it missing).
+- vLLM (0.32): ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}`` replaces the
+  adapter in one call; disk mode only (vLLM has no tensor route).
 
-SGLang refuses to load a name that is already loaded, so a new version is unload + load, done while
-generation is paused (a request naming the adapter waits in the gateway or the paused engine, never sees
-it missing). SGLang's load route carries no weight version, so the engine's version is then moved with
-``POST /update_weight_version`` and generation resumes with it: tokens carry the version of the adapter that
-sampled them, exactly as after a full push. A push that fails after every retry reloads the previous
-adapter directory on the engines it reached (disk mode), resumes on the old version and raises
+The load routes carry no weight version, so the engine's version is then moved with ``POST
+/update_weight_version`` and generation resumes with it: tokens carry the version of the adapter that sampled
+them, exactly as after a full push. The pause, the retries, the rollback and the resume are the full push's
+(:func:`trainer.weight_sync.paused_push`): a push that fails after every retry reloads the previous adapter
+directory on the engines it reached (disk mode), resumes on the old version and raises
 :class:`~trainer.weight_sync.WeightSyncError`.
 
 Gathering the adapter from FSDP2 shards is a collective: every rank calls :func:`push_adapter`; rank 0 does
-the HTTP and its outcome is broadcast.
-"""
+the HTTP and its outcome is broadcast."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ import torch
 
 from trainer import lora
 from trainer.model import DistInfo, served_dtype
-from trainer.weight_sync import WeightSyncError, broadcast_object
+from trainer.weight_sync import EngineSet, WeightSyncError, on_main, ops_call, paused_push
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +66,6 @@ class AdapterPushResult:
         return self.bytes / max(self.seconds, 1e-9) / 1e9
 
 
-def post(client: httpx.Client, url: str, body: dict[str, Any], *, timeout: float = 600.0) -> dict[str, Any]:
-    """POST JSON to an engine; a transport error, a non-2xx status or ``success: false`` raises WeightSyncError."""
-    try:
-        resp = client.post(url, json=body, timeout=timeout)
-    except httpx.HTTPError as exc:
-        raise WeightSyncError(f"POST {url} failed: {exc!r}") from exc
-    try:
-        data = resp.json()
-    except ValueError:
-        data = None
-    if resp.status_code // 100 != 2 or (isinstance(data, dict) and data.get("success") is False):
-        message = data.get("error_message") or data.get("message") if isinstance(data, dict) else resp.text
-        raise WeightSyncError(f"POST {url} answered {resp.status_code}: {str(message)[:500]}")
-    return data if isinstance(data, dict) else {}
-
-
 @dataclass
 class AdapterSync:
     """Stage the adapter (before the pause) and load it on engines under ``name``, by ``mode``."""
@@ -88,6 +75,9 @@ class AdapterSync:
     sync_dir: Path  # disk mode: adapter directories the engines can read
     client: httpx.Client
     keep: int = 2  # adapter directories kept (the served one and the one before, for rollback)
+    # sglang (SGLang, the embedded engine) | vllm | auto (detected per engine); None: the push's control's
+    # (DirectControl's engine_kind), auto behind a gateway
+    engine_kind: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,6 +85,18 @@ class AdapterSync:
         self.sync_dir = Path(self.sync_dir).resolve()  # the engines resolve paths against their own cwd
         self.served: Path | None = None  # the directory the engines load on rollback
         self._held: torch.Tensor | None = None
+        self._ops: EngineSet | None = None
+
+    def bind(self, control: Any) -> None:
+        """Fix the engine kind once: the one given, else the control's (DirectControl's), else auto."""
+        if self._ops is None:
+            kind = self.engine_kind or getattr(getattr(control, "ops", None), "kind", None) or "auto"
+            self._ops = EngineSet(self.client, kind)
+
+    def ops(self, url: str):
+        """The engine kind's control calls for ``url`` (SGLangOps or VLLMOps)."""
+        self.bind(None)
+        return self._ops(url)
 
     def stage(self, model: torch.nn.Module, version: int, info: DistInfo) -> Any:
         """Collective: gather the adapter in the served dtype; rank 0 returns what :meth:`send` sends."""
@@ -133,26 +135,20 @@ class AdapterSync:
         return {"config_dict": lora.config_dict(config), "payload": base64.b64encode(buf.getvalue()).decode("ascii")}
 
     def send(self, engines: list[str], staged: Any, touched: list[str]) -> None:
-        """Rank 0: on each engine, unload the old version and load the new one; ``touched`` collects the
-        engines whose adapter was unloaded (they need a rollback if the push fails)."""
+        """Rank 0: on each engine, replace the adapter under ``name`` by the new version (the engine kind's
+        ``reload_adapter``: SGLang unload + load, vLLM ``load_inplace``); ``touched`` collects the engines
+        asked to (they need a rollback if the push fails)."""
         for url in engines:
             if url not in touched:
-                self._unload(url)
                 touched.append(url)
             if self.mode == "disk":
-                post(self.client, f"{url}/load_lora_adapter", {"lora_name": self.name, "lora_path": str(staged)})
+                ops_call(self.ops(url).reload_adapter, self.name, str(staged))
             else:
-                post(self.client, f"{url}/load_lora_adapter_from_tensors",
-                     {"lora_name": self.name, "config_dict": staged["config_dict"],
-                      "serialized_named_tensors": [staged["payload"]], "load_format": None})
+                ops_call(self.ops(url).reload_adapter_tensors, self.name, staged["config_dict"], staged["payload"])
 
-    def _unload(self, url: str) -> None:
-        """Unload ``name`` if the engine has it (the first push finds none: SGLang answers 400 then)."""
-        try:
-            post(self.client, f"{url}/unload_lora_adapter", {"lora_name": self.name})
-        except WeightSyncError as exc:
-            if "does not exist" not in str(exc):  # SGLang's answer for a name it does not have: nothing to unload
-                raise
+    def set_version(self, engines: list[str], version: int) -> None:
+        for url in engines:
+            ops_call(self.ops(url).set_version, version)
 
     def rollback(self, engines: list[str]) -> None:
         """Disk mode: the engines that lost the adapter load the previous directory again."""
@@ -160,8 +156,7 @@ class AdapterSync:
             return
         for url in engines:
             try:
-                self._unload(url)
-                post(self.client, f"{url}/load_lora_adapter", {"lora_name": self.name, "lora_path": str(self.served)})
+                ops_call(self.ops(url).reload_adapter, self.name, str(self.served))
             except WeightSyncError as exc:
                 log.error("rollback of adapter %r on %s failed: %s", self.name, url, exc)
 
@@ -177,69 +172,33 @@ class AdapterSync:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def set_version(client: httpx.Client, url: str, version: int) -> None:
-    # SGLang 0.5.19 UpdateWeightVersionReqInput aborts every request unless told not to
-    post(client, f"{url}/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
-
-
 def push_adapter(model: torch.nn.Module, version: int, *, info: DistInfo, transport: AdapterSync, control,
                  retries: int = 3, backoff_s: float = 1.0) -> AdapterPushResult:
     """Collective: stage the adapter, pause generation, load it on every engine as ``version``, resume.
 
-    ``control``: the full push's pause/resume (the gateway's admin API, or the engines directly). Raises
-    WeightSyncError on every rank when the push failed after ``retries`` attempts; the engines then serve the
-    previous adapter (disk mode) at ``version - 1``."""
+    ``control``: the full push's pause/resume (the gateway's admin API, or the engines directly), and the
+    same pause -> update -> resume (:func:`trainer.weight_sync.paused_push`). Raises WeightSyncError on every
+    rank when the push failed after ``retries`` attempts; the engines then serve the previous adapter (disk
+    mode) at ``version - 1``."""
     start = time.perf_counter()
+    transport.bind(control)
     staged = transport.stage(model, version, info)
-    paused_at = time.perf_counter()
-    error: str | None = None
-    engines: list[str] = []
-    if info.is_main:
+
+    def send(engines: list[str], touched: list[str]) -> str | None:
+        def load() -> None:
+            transport.send(engines, staged, touched)
+            transport.set_version(engines, version)
+        return on_main(info, load)
+
+    def rollback(touched: list[str]) -> None:
+        transport.rollback(touched)
         try:
-            engines = control.engines()
-            control.pause()
+            transport.set_version(touched, version - 1)
         except WeightSyncError as exc:
-            error = f"cannot pause generation: {exc}"
-    error = broadcast_object(error, info)
-    if error:
-        raise WeightSyncError(error)
-    attempts = 0
-    touched: list[str] = []
-    try:
-        for attempts in range(1, retries + 1):
-            if info.is_main:
-                try:
-                    transport.send(engines, staged, touched)
-                    for url in engines:
-                        set_version(transport.client, url, version)
-                    error = None
-                except WeightSyncError as exc:
-                    error = str(exc)
-            error = broadcast_object(error, info)
-            if error is None:
-                break
-            log.warning("adapter push v%d attempt %d/%d failed: %s", version, attempts, retries, error)
-            if attempts < retries:
-                time.sleep(backoff_s * attempts)
-    finally:
-        if info.is_main:
-            if error is not None and touched:
-                transport.rollback(touched)
-                for url in touched:
-                    try:
-                        set_version(transport.client, url, version - 1)
-                    except WeightSyncError as exc:
-                        log.error("could not set %s back to version %d: %s", url, version - 1, exc)
-            try:
-                control.resume(version if error is None else version - 1)
-            except WeightSyncError as exc:
-                error = error or f"adapter pushed but generation could not be resumed: {exc}"
-        paused_s = time.perf_counter() - paused_at
-        error = broadcast_object(error, info)
-    if error is not None:
-        raise WeightSyncError(
-            f"adapter push of version {version} failed after {attempts} attempt(s): {error}. The engines keep "
-            f"serving version {version - 1}; the current batch was not acknowledged.")
+            log.error("could not set %s back to version %d: %s", touched, version - 1, exc)
+
+    attempts, paused_s = paused_push("adapter", version, info=info, control=control, send=send, rollback=rollback,
+                                     retries=retries, backoff_s=backoff_s)
     if info.is_main:
         transport.committed(staged)
     stale = len(getattr(control, "stale_cache", ())) if info.is_main else 0

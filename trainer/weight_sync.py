@@ -85,7 +85,7 @@ class EngineSet:
         return self._ops[url]
 
 
-def _call(fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+def ops_call(fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
     try:
         fn(*args, **kwargs)
     except EngineOpsError as exc:
@@ -191,7 +191,7 @@ class DirectControl:
 
     def pause(self) -> None:
         for url in self._urls:
-            _call(self.ops(url).pause_keep)
+            ops_call(self.ops(url).pause_keep)
 
     def resume(self, version: int) -> None:
         kept = []
@@ -328,7 +328,7 @@ class DiskSync:
         todo = [url for url in engines if url not in updated]
 
         def load(url: str) -> None:
-            _call(self.ops(url).load_from_disk, str(staged), version, timeout=600.0, flush_cache=flush_cache)
+            ops_call(self.ops(url).load_from_disk, str(staged), version, timeout=600.0, flush_cache=flush_cache)
             updated.append(url)
 
         with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
@@ -349,7 +349,7 @@ class DiskSync:
     def rollback(self, engines: list[str], old_version: int, *, flush_cache: bool = True) -> None:
         for url in engines:
             try:
-                _call(self.ops(url).load_from_disk, str(self.served_path), old_version, timeout=600.0,
+                ops_call(self.ops(url).load_from_disk, str(self.served_path), old_version, timeout=600.0,
                       flush_cache=flush_cache)
             except WeightSyncError as exc:
                 log.error("rollback of %s to version %d failed: %s", url, old_version, exc)
@@ -600,7 +600,7 @@ def _session(engines: list[SGLangOps]) -> Iterator[None]:
     opened: list[SGLangOps] = []
     try:
         for ops in engines:
-            _call(ops.begin_weight_update)
+            ops_call(ops.begin_weight_update)
             opened.append(ops)
         yield
     except BaseException:
@@ -611,7 +611,7 @@ def _session(engines: list[SGLangOps]) -> Iterator[None]:
                 log.warning("closing the weight-update session on %s failed: %s", ops.url, exc)
         raise
     for ops in opened:
-        _call(ops.end_weight_update)
+        ops_call(ops.end_weight_update)
 
 
 def broadcast_object(obj: Any, info: DistInfo) -> Any:
@@ -651,7 +651,7 @@ def relabel_version(version: int, *, info: DistInfo, control: Control, client: h
         return
     ops = EngineSet(client, engine_kind)
     for url in control.engines():
-        _call(ops(url).set_version, version)
+        ops_call(ops(url).set_version, version)
     control.resume(version)
 
 
@@ -676,7 +676,7 @@ def engines_released(tags: list[str], version: int, *, info: DistInfo, control: 
             engines = control.engines()
             control.pause()
             for url in engines:
-                _call(ops(url).release_memory, tags)
+                ops_call(ops(url).release_memory, tags)
         except WeightSyncError as exc:
             error = f"cannot release the engines' memory {tags}: {exc}"
             _resume_memory(ops, engines, tags)
@@ -706,7 +706,7 @@ def _resume_memory(ops: EngineSet, engines: list[str], tags: list[str]) -> str |
     errors = []
     for url in engines:
         try:
-            _call(ops(url).resume_memory, tags)
+            ops_call(ops(url).resume_memory, tags)
         except WeightSyncError as exc:
             errors.append(str(exc))
     return errors[0] if errors else None
@@ -719,20 +719,20 @@ def _resume_quietly(control: Control, version: int) -> None:
         log.error("could not resume generation on version %d: %s", version, exc)
 
 
-def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo,
-                 transport: DiskSync | BroadcastSync | TensorSync,
-                 control: Control, retries: int = 3, backoff_s: float = 1.0) -> PushResult:
-    """Collective: pause generation, send ``model``'s weights as ``version``, resume. Raises WeightSyncError.
+def paused_push(what: str, version: int, *, info: DistInfo, control: Control,
+                send: Callable[[list[str], list[str]], str | None],
+                rollback: Callable[[list[str]], None] | None = None, retries: int = 3,
+                backoff_s: float = 1.0) -> tuple[int, float]:
+    """Collective: the pause -> update -> resume of every push (full weights here, the adapter in
+    :mod:`trainer.lora_push`). Returns ``(attempts, paused_s)``.
 
-    On failure after ``retries`` attempts, engines that took the update are rolled back (disk mode),
-    generation resumes on ``version - 1`` and every rank raises the same WeightSyncError.
-    """
-    start = time.perf_counter()
-    engines: list[str] = []
+    Rank 0 lists the engines and pauses generation; then ``send(engines, touched)`` runs on every rank (a
+    broadcast push is a collective; other transports act on rank 0 only) and returns rank 0's error or None,
+    appending to ``touched`` each engine it changed. It is retried up to ``retries`` times. After the last
+    failure ``rollback(touched)`` puts the old weights back on rank 0, generation resumes on ``version - 1``
+    and every rank raises the same :class:`WeightSyncError`; after a success it resumes on ``version``."""
     error: str | None = None
-    staged = None
-    if isinstance(transport, (DiskSync, TensorSync)):  # gather, cast and write while the engines still generate
-        staged = transport.stage(model, version, info)
+    engines: list[str] = []
     paused_at = time.perf_counter()
     if info.is_main:
         try:
@@ -743,41 +743,70 @@ def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo,
     error = broadcast_object(error, info)
     if error:
         raise WeightSyncError(error)
-
     attempts = 0
-    updated: list[str] = []
-    flush = getattr(control, "flush_with_update", True)
+    touched: list[str] = []
     try:
         for attempts in range(1, retries + 1):
-            if isinstance(transport, BroadcastSync):
-                error = transport.send_all(model, engines, version, info, flush_cache=flush)
-            elif info.is_main:
-                try:
-                    transport.send(engines, version, staged, updated, flush_cache=flush)
-                    error = None
-                except WeightSyncError as exc:
-                    error = str(exc)
-            error = broadcast_object(error, info)
+            error = broadcast_object(send(engines, touched), info)
             if error is None:
                 break
-            log.warning("weight push v%d attempt %d/%d failed: %s", version, attempts, retries, error)
+            log.warning("%s push v%d attempt %d/%d failed: %s", what, version, attempts, retries, error)
             if attempts < retries:
                 time.sleep(backoff_s * attempts)
     finally:
         if info.is_main:
-            if error is not None and isinstance(transport, DiskSync) and updated:
-                transport.rollback(updated, version - 1, flush_cache=flush)
+            if error is not None and touched and rollback is not None:
+                rollback(touched)
             try:
                 control.resume(version if error is None else version - 1)
             except WeightSyncError as exc:
-                error = error or f"weights pushed but generation could not be resumed: {exc}"
+                error = error or f"{what} pushed but generation could not be resumed: {exc}"
         paused_s = time.perf_counter() - paused_at
         error = broadcast_object(error, info)
     if error is not None:
         raise WeightSyncError(
-            f"weight push of version {version} failed after {attempts} attempt(s): {error}. The engines keep "
+            f"{what} push of version {version} failed after {attempts} attempt(s): {error}. The engines keep "
             f"serving version {version - 1}; the current batch was not acknowledged."
         )
+    return attempts, paused_s
+
+
+def on_main(info: DistInfo, fn: Callable[[], None]) -> str | None:
+    """``fn()`` on rank 0; its WeightSyncError as text (None on success and on the other ranks)."""
+    if not info.is_main:
+        return None
+    try:
+        fn()
+    except WeightSyncError as exc:
+        return str(exc)
+    return None
+
+
+def push_weights(model: torch.nn.Module, version: int, *, info: DistInfo,
+                 transport: DiskSync | BroadcastSync | TensorSync,
+                 control: Control, retries: int = 3, backoff_s: float = 1.0) -> PushResult:
+    """Collective: pause generation, send ``model``'s weights as ``version``, resume. Raises WeightSyncError.
+
+    On failure after ``retries`` attempts, engines that took the update are rolled back (disk mode),
+    generation resumes on ``version - 1`` and every rank raises the same WeightSyncError (:func:`paused_push`).
+    """
+    start = time.perf_counter()
+    staged = None
+    if isinstance(transport, (DiskSync, TensorSync)):  # gather, cast and write while the engines still generate
+        staged = transport.stage(model, version, info)
+    flush = getattr(control, "flush_with_update", True)
+
+    def send(engines: list[str], updated: list[str]) -> str | None:
+        if isinstance(transport, BroadcastSync):
+            return transport.send_all(model, engines, version, info, flush_cache=flush)
+        return on_main(info, lambda: transport.send(engines, version, staged, updated, flush_cache=flush))
+
+    def rollback(updated: list[str]) -> None:
+        if isinstance(transport, DiskSync):
+            transport.rollback(updated, version - 1, flush_cache=flush)
+
+    attempts, paused_s = paused_push("weight", version, info=info, control=control, send=send, rollback=rollback,
+                                     retries=retries, backoff_s=backoff_s)
     if isinstance(transport, (DiskSync, TensorSync)) and info.is_main:
         transport.committed(staged)
     from trainer.model import weight_bytes

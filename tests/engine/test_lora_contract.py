@@ -46,6 +46,8 @@ class SGLangLike:
         self.bodies.append((request.url.path, body))
         if request.url.path in ("/pause_generation", "/continue_generation", "/flush_cache"):
             return httpx.Response(200, json={"status": "ok"})
+        if request.url.path in ("/server_info", "/get_server_info"):  # the tensor payloads are one per TP rank
+            return httpx.Response(200, json={"tp_size": 1, "version": self.version})
         parsed = parse_as_sglang(self.version, request.url.path, body)
         io = own_code.io_struct(self.version)
         if request.url.path == "/update_weight_version":
