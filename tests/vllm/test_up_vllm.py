@@ -122,3 +122,36 @@ def test_up_with_vllm_records_vllms_tokens_pushes_by_disk_and_leaves_nothing(tmp
         time.sleep(0.2)
     assert session_members(engine_pid) == [] and not alive(engine_pid)
     assert [p for p in seen if alive(p)] == []
+
+
+def test_sigterm_while_vllm_warms_up_leaves_no_vllm_process(tmp_path: Path) -> None:
+    """SIGTERM once vLLM's engine core runs beside its API server (mid warm-up): up stops both and exits 130."""
+    require_venv()
+    model_dir = server.tiny_vllm_model(agentrl_home() / "models" / "tiny-vllm")
+    proc = subprocess.Popen([sys.executable, "-m", "agentrl", "up", "--engine", "vllm", "--model", str(model_dir),
+                             "--out-dir", str(tmp_path / "run"), "--steps", "100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    lines: list[str] = []
+    engine_pid = None
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r"starting vllm \(.*\) on :\d+, pid (\d+)", line)
+        if m:
+            engine_pid = int(m.group(1))
+            break
+    assert engine_pid is not None, "".join(lines)
+    guard = time.monotonic() + 600  # a hang guard: vLLM's API server starts its engine core within its warm-up
+    while len(session_members(engine_pid)) < 2 and time.monotonic() < guard and proc.poll() is None:
+        time.sleep(0.2)
+    members = session_members(engine_pid)
+    assert len(members) >= 2, "".join(lines)
+    proc.terminate()
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=300) == 130, rest
+    assert "every process it started has been stopped" in rest, rest
+    guard = time.monotonic() + 120
+    while any(alive(p) for p in members) and time.monotonic() < guard:
+        time.sleep(0.2)
+    assert [p for p in members if alive(p)] == [] and session_members(engine_pid) == []
