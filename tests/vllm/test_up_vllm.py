@@ -61,7 +61,7 @@ def test_up_with_vllm_records_vllms_tokens_pushes_by_disk_and_leaves_nothing(tmp
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "question": f"What is {i} + {i}?"}) + "\n" for i in range(4)))
     cmd = [sys.executable, "-m", "agentrl", "up", "--engine", "vllm", "--model", str(model_dir),
-           "--agent", "tests.vllm.up_agent:episode", "--dataset", str(tasks), "--out-dir", str(out),
+           "--agent", "tests.agentrl.spread_agent:episode", "--dataset", str(tasks), "--out-dir", str(out),
            "--steps", str(STEPS), "--batch-groups", "1", "--group-size", "4", "--eval-limit", "2",
            "--concurrency", "4", "--engine-max-running", "8"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -1,4 +1,4 @@
-"""The episode function of the live `agentrl up --engine vllm` test (``tests/vllm/test_up_vllm.py``).
+"""An episode function for the short `agentrl up` runs of the tests (`--engine vllm`, `--lora-rank`).
 
 The tiny random model never solves a real task, and a group whose rewards are all equal teaches nothing
 (the trainer skips it: no push). So the reward is a spread-out function of the reply's text: the four
