@@ -71,11 +71,14 @@ class EngineState:
     last_check: float = 0.0
     last_output: float = 0.0  # time.monotonic() of the last engine output received for a generation
     busy: bool = False  # its last probe got no answer in time: alive but occupied (loading weights, a long batch)
+    # the weight version it reported while below the gateway's (it restarted on older weights): out of rotation
+    # while another engine serves the current version (see EngineRouter.check_versions); None when current
+    behind: int | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"url": self.client.base_url, "kind": self.client.kind, "healthy": self.healthy, "in_flight": self.in_flight,
                 "served": self.served, "failures": self.failures, "last_error": self.last_error,
-                "last_check": self.last_check}
+                "last_check": self.last_check, "behind": self.behind}
 
 
 class EngineRouter:
@@ -104,6 +107,7 @@ class EngineRouter:
         self.weight_version = 0
         self.held = 0  # generations waiting for resume
         self.version_mismatches = 0  # segments whose engine reported a different weight version
+        self.behind_engines = 0  # times an engine was found serving a version below the gateway's (a restart)
         # Asked before an unexplained abort is called an error: did another replica pause (control plane)?
         self.pause_check: Callable[[], Awaitable[bool]] | None = None
         self._health_task: asyncio.Task[None] | None = None
@@ -134,8 +138,10 @@ class EngineRouter:
         if not self.paused and self._owes_continue:
             await self._continue(sorted(self._owes_continue))
         pushing = {i for i in self._owes_continue if self.paused}
+        epoch, expected = self._pause_epoch, self.weight_version
         results = await asyncio.gather(*(
             e.client.health(paused=i in pushing) for i, e in enumerate(self.engines)))
+        versions = await self._versions([bool(r) and not self.paused for r in results])
         now = time.monotonic()
         for i, (state, answer) in enumerate(zip(self.engines, results)):
             state.busy = answer is None
@@ -161,6 +167,51 @@ class EngineRouter:
             state.last_check = time.time()
             if ok:
                 state.last_error = None
+        if not self.paused and self._pause_epoch == epoch and self.weight_version == expected:
+            self.check_versions(versions, expected)
+
+    async def _versions(self, ask: list[bool]) -> list[int | None]:
+        """The weight version each engine reports (``/model_info``; vLLM's ``/weight_info``) where ``ask``
+        says so; None where not asked, where the engine reports none, or where the question failed."""
+
+        async def one(state: EngineState) -> int | None:
+            try:
+                return await state.client.weight_version()
+            except Exception:  # noqa: BLE001 - no answer is no evidence: the health probe decides liveness
+                return None
+
+        answers = await asyncio.gather(*(one(e) if a else _none() for e, a in zip(self.engines, ask)))
+        return list(answers)
+
+    def check_versions(self, versions: list[int | None], expected: int) -> None:
+        """Take out of rotation an engine whose weight version went below the gateway's ``expected`` (it
+        restarted and serves its base weights as version 0, say) while another engine in rotation serves
+        ``expected``; it comes back once it reports ``expected`` again (the trainer's next push reaches every
+        engine the gateway lists, in rotation or not; the trainer also pushes again when it finds one behind
+        while it waits for data). With no engine at ``expected`` the ones behind stay in rotation (refusing
+        every request would also stop the data the trainer needs to push again); their tokens carry the
+        version they report, which is what sampled them."""
+        current = [i for i, v in enumerate(versions) if v is not None and v >= expected and self.engines[i].healthy]
+        for i, (state, version) in enumerate(zip(self.engines, versions)):
+            if version is None:
+                continue
+            if version >= expected:
+                if state.behind is not None:
+                    log.warning("engine %s serves weight version %d again: back in rotation", state.client.base_url,
+                                version)
+                    state.behind = None
+                continue
+            if state.behind is None:
+                self.behind_engines += 1
+                log.warning("engine %s serves weight version %d, below the gateway's %d (restarted on older "
+                            "weights?): %s", state.client.base_url, version, expected,
+                            "out of rotation until a push brings it up" if current else
+                            "kept in rotation, no engine serves the current version (its tokens carry its version)")
+            state.behind = version
+            if current and state.healthy:
+                state.healthy = False
+                state.last_error = (f"serves weight version {version}, below the gateway's {expected}: out of "
+                                    "rotation until a weight push brings it up")
 
     async def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -395,6 +446,10 @@ class EngineRouter:
         gen.versions.extend(out.versions if out.versions is not None else [version] * len(out.output_ids))
         if out.top_logprobs is not None:
             gen.top_logprobs.extend(out.top_logprobs)
+
+
+async def _none() -> None:
+    return None
 
 
 def _restart_constrained(gen: Generation, params: SamplingParams, stream: bool) -> None:

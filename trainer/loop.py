@@ -105,6 +105,8 @@ def train(settings: TrainerSettings, *, http: httpx.Client | None = None) -> che
     while stop_at is None or state.step < stop_at:
         lease = next_lease(leases, settings, info, retry)
         if lease is None:
+            if transport is not None:  # an engine that restarted on older weights gets the current ones again
+                repush_if_behind(model, state.version, push, settings, info, transport, control, http, retry)
             if settings.max_idle_s and time.monotonic() - idle_since > settings.max_idle_s:
                 log.warning("no data for %.0f s; stopping", settings.max_idle_s)
                 break
@@ -250,6 +252,41 @@ def peer_version(settings: TrainerSettings, control: Any, client: httpx.Client) 
                 versions.append(got)
                 break
     return max(versions)
+
+
+def repush_if_behind(model: torch.nn.Module, version: int, push: Any, settings: TrainerSettings, info: DistInfo,
+                     transport: Any, control: Any, client: httpx.Client, retry: OutageRetry) -> bool:
+    """Collective, while waiting for data: if an engine reports a weight version below ``version`` (it
+    restarted and serves its base weights as 0, say), push this trainer's weights again as ``version``
+    (the same weights that number names). The gateway keeps such an engine out of rotation while another
+    serves the current version, and in rotation when none does: then no fresh data comes until this push.
+    Engines that cannot be reached have no say. Returns whether it pushed."""
+    behind: list[str] = []
+    if info.is_main and version > 0:
+        try:
+            urls = control.engines()
+        except WeightSyncError:
+            urls = []
+        for url in urls:
+            for path in ("/model_info", "/get_model_info", "/weight_info"):
+                try:
+                    got = _version_of(client, url.rstrip("/") + path, {}, lambda d: d.get("weight_version"))
+                except GatewayError:
+                    break
+                if got >= 0:
+                    if got < version:
+                        behind.append(f"{url} (v{got})")
+                    break
+    behind = broadcast_object(behind, info)
+    if not behind:
+        return False
+    if info.is_main:
+        log.warning("engine(s) %s serve a version below %d (restarted?): pushing the current weights again",
+                    ", ".join(behind), version)
+    retry.call(f"weight push v{version} again", lambda: push(model, version, info=info, transport=transport,
+                                                             control=control, retries=settings.sync_retries),
+               errors=(WeightSyncError,), info=info)
+    return True
 
 
 def _version_of(client: httpx.Client, url: str, headers: dict[str, str], pick: Any) -> int:
