@@ -6,6 +6,8 @@ import asyncio
 import os
 import socket
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,27 +75,40 @@ PG_ADMIN_URL = os.environ.get("AGENTRL_TEST_PG", "postgresql://postgres@127.0.0.
 REDIS_URL = os.environ.get("AGENTRL_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 
+async def pg_admin(sql: str, url: str = PG_ADMIN_URL) -> None:
+    """One statement on the machine's PostgreSQL (by default as its admin: ``CREATE DATABASE``, ``DROP
+    DATABASE``)."""
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@contextmanager
+def pg_database(prefix: str = "agentrl_t_") -> Iterator[str]:
+    """A fresh database on the machine's PostgreSQL (its asyncpg URL), dropped on exit; the test is
+    skipped if there is no server."""
+    asyncpg = pytest.importorskip("asyncpg")
+
+    name = prefix + uuid.uuid4().hex[:12]
+    try:
+        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncpg.PostgresError) as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
+    try:
+        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
 @pytest.fixture
 def pg_url():
     """A fresh PostgreSQL database for one test (created and dropped here); skipped if no server."""
-    asyncpg = pytest.importorskip("asyncpg")
-    import asyncio
-
-    name = "agentrl_t_" + uuid.uuid4().hex[:12]
-
-    async def admin(sql: str) -> None:
-        conn = await asyncpg.connect(PG_ADMIN_URL)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    try:
-        asyncio.run(admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncpg.PostgresError) as exc:  # pragma: no cover - depends on the machine
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
-    yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with pg_database() as url:
+        yield url
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.app import GatewayApp, create_app, load_tokenizer
-from gateway.settings import GatewaySettings
+from gateway.app import GatewayApp
+from tests.inprocess import inprocess_gateway, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
 
 ADMIN, AGENT = "admin-key", "agent-key"
@@ -55,28 +55,20 @@ class Timing(BaseHTTPMiddleware):
         return response
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return load_tokenizer(tiny_model_dir)
-
-
 @pytest.fixture
 async def app_with_middleware(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> AsyncIterator[
         tuple[GatewayApp, httpx.AsyncClient, list[str]]]:
     upstream = httpx.ASGITransport(app=build_app(str(tiny_model_dir), ["Hello there."], tokenizer=tokenizer))
-    settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                               admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600)
-    settings.validate()
     seen: list[str] = []
-    async with httpx.AsyncClient(transport=upstream) as engine_http:
-        app = create_app(settings, http=engine_http, tokenizer=tokenizer)
+
+    def add_middleware(app: Any) -> None:
         assert isinstance(app, GatewayApp)
         app.add_middleware(Tagging, seen=seen)
         app.add_middleware(Timing)
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                         timeout=30) as http:
-                yield app, http, seen
+
+    async with inprocess_gateway(upstream, tokenizer=tokenizer, db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
+                                 admin_key=ADMIN, agent_key=[AGENT], setup=add_middleware) as (app, http):
+        yield app, http, seen
 
 
 async def test_added_middleware_wraps_the_generation_routes_and_the_others(app_with_middleware: Any) -> None:

@@ -26,6 +26,7 @@ from gateway.settings import GatewaySettings
 from tests.standin import build_app
 from gateway.store import Store
 from tests.conftest import REDIS_URL
+from tests.inprocess import inprocess_gateway, tokenizer  # noqa: F401 (fixture, imported from here by other modules)
 
 ADMIN, AGENT, OTHER = "admin-k", "agent-k", "other-agent-k"
 TOOLS = [{"type": "function", "function": {
@@ -33,11 +34,6 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 CALL_ROME = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return load_tokenizer(tiny_model_dir)
 
 
 class Gw:
@@ -90,16 +86,10 @@ def make_gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> Callable[..
     @asynccontextmanager
     async def make(replies: list[str], tok: Any = None, **overrides: Any) -> AsyncIterator[Gw]:
         engine = FlakyTransport(build_app(str(tiny_model_dir), replies, tokenizer=tokenizer))
-        settings = GatewaySettings(**{"engine_url": ["http://engine"], "db": f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                                      "admin_key": ADMIN, "agent_key": [AGENT], "health_interval_s": 3600,
-                                      **overrides})
-        settings.validate()
-        async with httpx.AsyncClient(transport=engine) as engine_http:
-            app = create_app(settings, http=engine_http, tokenizer=tok or tokenizer)
-            async with app.router.lifespan_context(app):
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                             timeout=30) as http:
-                    yield Gw(app, http, app.state.services.store, engine)
+        async with inprocess_gateway(engine, tokenizer=tok or tokenizer, **{
+                "db": f"sqlite+aiosqlite:///{tmp_path}/gw.db", "admin_key": ADMIN, "agent_key": [AGENT],
+                **overrides}) as (app, http):
+            yield Gw(app, http, app.state.services.store, engine)
     return make
 
 

@@ -17,7 +17,7 @@ import redis
 from agentrl.trajectory import LEASE_HEADER, MEDIA_TYPE, decode_batch
 from gateway.store import Store
 from agentrl.procs import Processes
-from tests.conftest import PG_ADMIN_URL, REDIS_URL, free_port
+from tests.conftest import REDIS_URL, free_port, pg_admin
 from tests.gateway.conftest import ADMIN_KEY, AGENT_KEY, GatewayProc
 
 EXPORT_ENV = {
@@ -27,16 +27,6 @@ EXPORT_ENV = {
     "AGENTRL_GATEWAY_LEASE_TIMEOUT_S": "3",  # the tests ack within it (a call or two); expiry waits past it
     "AGENTRL_GATEWAY_RETRY_AFTER_S": "3",
 }
-
-
-async def _pg_admin(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(PG_ADMIN_URL)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("pg+redis", marks=pytest.mark.services)])
@@ -52,8 +42,8 @@ def gw(request, engine_url, tmp_path_factory) -> Iterator[GatewayProc]:
         db = f"sqlite+aiosqlite:///{tmp}/gw.db"
     else:
         name = "agentrl_export_" + uuid.uuid4().hex[:12]
-        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
-        cleanup.append(lambda: asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')))
+        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
+        cleanup.append(lambda: asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')))
         db = f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
         prefix = f"agentrl-test:{uuid.uuid4().hex[:12]}:"
         argv += ["--redis", REDIS_URL, "--redis-prefix", prefix]

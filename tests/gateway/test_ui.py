@@ -20,8 +20,7 @@ import openai
 import pytest
 
 from agentrl.trajectory import export_session, turn_from_interaction
-from gateway.app import create_app, load_tokenizer
-from gateway.settings import GatewaySettings
+from tests.inprocess import inprocess_gateway, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
 from gateway.store import Store
 from gateway.ui.auth import COOKIE
@@ -31,11 +30,6 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return load_tokenizer(tiny_model_dir)
 
 
 class Gw:
@@ -68,16 +62,10 @@ def make_gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> Callable[..
     @asynccontextmanager
     async def make(replies: list[str], **overrides: Any) -> AsyncIterator[Gw]:
         engine = httpx.ASGITransport(app=build_app(str(tiny_model_dir), replies, tokenizer=tokenizer))
-        settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                                   admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600,
-                                   **{"gamma": 1.0, **overrides})  # undiscounted: row rewards are the hand-set ones
-        settings.validate()
-        async with httpx.AsyncClient(transport=engine) as engine_http:
-            app = create_app(settings, http=engine_http, tokenizer=tokenizer)
-            async with app.router.lifespan_context(app):
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                             timeout=30) as http:
-                    yield Gw(app, http)
+        async with inprocess_gateway(engine, tokenizer=tokenizer, **{
+                "db": f"sqlite+aiosqlite:///{tmp_path}/gw.db", "admin_key": ADMIN, "agent_key": [AGENT],
+                "gamma": 1.0, **overrides}) as (app, http):  # undiscounted: row rewards are the hand-set ones
+            yield Gw(app, http)
     return make
 
 

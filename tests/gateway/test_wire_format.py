@@ -15,13 +15,12 @@ import pytest
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from gateway.app import create_app, load_tokenizer
 from gateway.errors import GatewayError
 from gateway.formats.contract import CoreRequest
 from gateway.routes.common import direct
 from gateway.routes.generation import serve
-from gateway.settings import GatewaySettings
 from gateway.wire import ChatCompletionRequest, WireModel
+from tests.inprocess import inprocess_gateway, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
 
 ADMIN, AGENT = "admin-key", "agent-key"
@@ -73,25 +72,17 @@ async def plain(request: Request) -> Response:
     return await serve(request, PLAIN)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return load_tokenizer(tiny_model_dir)
-
-
 @pytest.fixture
 async def gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     upstream = httpx.ASGITransport(app=build_app(str(tiny_model_dir), [REPLY], tokenizer=tokenizer))
-    settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                               admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600)
-    settings.validate()
-    async with httpx.AsyncClient(transport=upstream) as engine_http:
-        app = create_app(settings, http=engine_http, tokenizer=tokenizer)
+
+    def add_plain(app: Any) -> None:
         app.include_router(router)
         app.include_direct_routes(router, "")
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                         timeout=30) as http:
-                yield app, http
+
+    async with inprocess_gateway(upstream, tokenizer=tokenizer, db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
+                                 admin_key=ADMIN, agent_key=[AGENT], setup=add_plain) as (app, http):
+        yield app, http
 
 
 async def test_a_fourth_format_is_one_class_and_a_route(gw: Any) -> None:

@@ -16,17 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app, load_tokenizer
-from gateway.settings import GatewaySettings
+from tests.inprocess import inprocess_gateway, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
 
 ADMIN, AGENT = "admin-k", "agent-k"
 CONTEXT = 32768
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Any:
-    return load_tokenizer(tiny_model_dir)
 
 
 class Gw:
@@ -53,14 +47,8 @@ def episode_gw(tmp_path: Path, tiny_model_dir: Path, tokenizer: Any) -> Callable
     async def make(replies: list[str], **overrides: Any) -> AsyncIterator[Gw]:
         engine = httpx.ASGITransport(app=build_app(str(tiny_model_dir), replies, tokenizer=tokenizer,
                                                    context_length=CONTEXT))
-        settings = GatewaySettings(**{"engine_url": ["http://engine"], "db": f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                                      "admin_key": ADMIN, "agent_key": [AGENT], "health_interval_s": 3600,
-                                      "context_length": CONTEXT, **overrides})
-        settings.validate()
-        async with httpx.AsyncClient(transport=engine) as engine_http:
-            app = create_app(settings, http=engine_http, tokenizer=tokenizer)
-            async with app.router.lifespan_context(app):
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
-                                             timeout=60) as http:
-                    yield Gw(app, http)
+        async with inprocess_gateway(engine, tokenizer=tokenizer, timeout=60, **{
+                "db": f"sqlite+aiosqlite:///{tmp_path}/gw.db", "admin_key": ADMIN, "agent_key": [AGENT],
+                "context_length": CONTEXT, **overrides}) as (app, http):
+            yield Gw(app, http)
     return make

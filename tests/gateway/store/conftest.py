@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 
 from gateway.store import Store
 from gateway.store.migrate import upgrade_sync
-from tests.conftest import PG_ADMIN_URL, REDIS_URL
+from tests.conftest import REDIS_URL, pg_admin, pg_database
 
 
 @dataclass(frozen=True)
@@ -32,29 +31,12 @@ class Backend:
         return await Store.open(self.db_url, redis_url=self.redis_url, redis_prefix=self.redis_prefix, **kwargs)  # type: ignore[arg-type]
 
 
-async def _pg_admin(sql: str, url: str = PG_ADMIN_URL) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
 @pytest.fixture(scope="session")
 def shared_pg_url() -> Iterator[str]:
     """One migrated PostgreSQL database for all store tests of the run (dropped at the end)."""
-    asyncpg = pytest.importorskip("asyncpg")
-    name = "agentrl_store_" + uuid.uuid4().hex[:12]
-    try:
-        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncpg.PostgresError) as exc:  # pragma: no cover - depends on the machine
-        pytest.skip(f"PostgreSQL not reachable at {PG_ADMIN_URL}: {exc}")
-    url = f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
-    upgrade_sync(url)
-    yield url
-    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with pg_database("agentrl_store_") as url:
+        upgrade_sync(url)
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +53,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
         shutil.copy(request.getfixturevalue("sqlite_template"), tmp_path / "store.db")
         return Backend("sqlite", f"sqlite+aiosqlite:///{tmp_path}/store.db", None, "agentrl:")
     url: str = request.getfixturevalue("shared_pg_url")
-    asyncio.run(_pg_admin("TRUNCATE reward_events, interactions, sessions CASCADE", url.replace("+asyncpg", "")))
+    asyncio.run(pg_admin("TRUNCATE reward_events, interactions, sessions CASCADE", url.replace("+asyncpg", "")))
     prefix = request.getfixturevalue("redis_prefix")
     return Backend("pg_redis", url, REDIS_URL, prefix)
 
