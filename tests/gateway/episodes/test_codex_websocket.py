@@ -2,11 +2,13 @@
 
 Codex can send its turns over a WebSocket (``GET /v1/responses`` with ``Upgrade: websocket`` and
 ``openai-beta: responses_websockets=…``) instead of ``POST /v1/responses``. The gateway serves no WebSocket:
-an upgrade is refused at the handshake (uvicorn answers 403 to a WebSocket no route accepts). What Codex does
-then, and whether it tries at all, depends on its provider:
+it answers the handshake ``426 Upgrade Required`` with an OpenAI-shaped error
+(``gateway/episodes/routes.py``). Whether Codex tries, and what it does then, depends on its provider:
 
-* the built-in ``openai`` provider pointed at the gateway (``openai_base_url``): tries the WebSocket first
-  (a prewarm, then the turn, with retries), then falls back to HTTP and the run completes;
+* the built-in ``openai`` provider pointed at the gateway (``openai_base_url``): tries the WebSocket once
+  (its prewarm), takes the 426 as "use HTTP" and sends every turn by ``POST``; the run completes. (Refused
+  the way uvicorn refuses a WebSocket no route takes, 403, it made 7 handshakes over some 6 s before going
+  over to HTTP: 9.6 s for this run against 3.0 s with the 426.)
 * a custom provider (``[model_providers.X]``, as ``docs/coding-agents.md`` configures it): no WebSocket
   attempt, with or without ``supports_websockets = false``.
 
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import websockets
 
 from agentrl.cli import build_parser
 from agentrl.group import GroupRun, check
@@ -61,8 +64,10 @@ class Watch:
             if entry["answer"] is None:
                 if message["type"] == "http.response.start":
                     entry["answer"] = message["status"]
+                elif message["type"] == "websocket.http.response.start":  # a handshake answered by HTTP
+                    entry["answer"] = message["status"]
                 elif message["type"].startswith("websocket."):
-                    entry["answer"] = message["type"]  # websocket.close before accept: refused (HTTP 403)
+                    entry["answer"] = message["type"]
             await send(message)
 
         return await self.app(scope, receive, watched)
@@ -110,9 +115,24 @@ async def test_codex_transport_against_the_gateway(provider: str, tiny_model_dir
     if provider != "openai":
         assert sockets == [], sockets  # a custom provider never tries the WebSocket
     else:
-        # the WebSocket first (a prewarm, then the turn's attempts), every handshake refused (403), then HTTP
-        assert sockets and all(e["path"] == responses and e["answer"] == "websocket.close" for e in sockets)
+        # the WebSocket once (its prewarm), answered 426, then HTTP at once
+        assert len(sockets) == 1 and sockets[0]["path"] == responses and sockets[0]["answer"] == 426, sockets
         assert "responses_websockets=" in sockets[0]["headers"]["openai-beta"]
         assert json.loads(sockets[0]["headers"]["x-codex-turn-metadata"])["request_kind"] == "prewarm"
-        assert max(seen.index(e) for e in sockets) < posts[0]  # and it stays on HTTP for the rest of the run
+        assert seen.index(sockets[0]) < posts[0]  # and it stays on HTTP for the rest of the run
     shutil.rmtree(logs)
+
+
+async def test_a_responses_websocket_is_answered_426(tiny_model_dir: Path, tokenizer: Any, tmp_path: Path) -> None:
+    """The handshake, plain and bound to a session by URL, over a real socket with the ``websockets`` client:
+    426 and an OpenAI-shaped error naming the HTTP route."""
+    async with served(tiny_model_dir, tokenizer, tmp_path) as (base, _, _):
+        for path in ("/v1/responses", "/sessions/sess-x/v1/responses"):
+            with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+                async with websockets.connect(base.replace("http://", "ws://") + path,
+                                              additional_headers={"Authorization": f"Bearer {ADMIN}"}):
+                    pass
+            answer = refused.value.response
+            assert answer.status_code == 426, answer
+            error = json.loads(answer.body)["error"]
+            assert error["code"] == "websocket_not_supported" and "POST /v1/responses" in error["message"]
