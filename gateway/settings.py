@@ -87,8 +87,10 @@ class GatewaySettings:
         "help": "send an incomplete group after this (its unfinished sessions are abandoned)"})
     lease_timeout_s: float = field(default=300.0, metadata={
         "help": "an unacknowledged trajectory lease returns to the queue after this"})
-    stale_max_age_s: float = field(default=600.0, metadata={
-        "help": "drop groups held back as too stale (oldest token version < v - k) after this"})
+    stale_max_age_s: float = field(default=60.0, metadata={
+        "help": "drop groups held back as too stale (oldest token version < v - k) after this, giving their "
+                "admission budget back (only a trainer registering a larger staleness bound could still lease them; "
+                "docs/chaos.md)"})
     max_lease_groups: int = field(default=1024, metadata={"help": "largest max_groups of GET /v1/trajectories"})
     max_wait_s: float = field(default=300.0, metadata={"help": "largest wait_s of GET /v1/trajectories"})
     retry_after_s: float = field(default=2.0, metadata={

@@ -28,7 +28,7 @@ class ExportSettings:
     idle_timeout_s: float = field(default=300.0, metadata={"help": "finish an idle session with a reward after this"})
     group_timeout_s: float = field(default=900.0, metadata={"help": "send an incomplete group after this"})
     lease_timeout_s: float = field(default=300.0, metadata={"help": "an unacknowledged lease returns to the queue after this"})
-    stale_max_age_s: float = field(default=600.0, metadata={"help": "drop held-back stale groups after this"})
+    stale_max_age_s: float = field(default=60.0, metadata={"help": "drop held-back stale groups after this"})
     max_lease_groups: int = field(default=1024, metadata={"help": "largest max_groups of one lease"})
     max_wait_s: float = field(default=300.0, metadata={"help": "largest wait_s of one lease"})
     retry_after_s: float = field(default=2.0, metadata={"help": "Retry-After of a 429 at the staleness limit"})
