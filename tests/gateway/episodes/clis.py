@@ -179,6 +179,11 @@ GATEWAY_PROVIDER = ('model_provider = "gateway"\n[model_providers.gateway]\nname
                     'base_url = "$OPENAI_BASE_URL"\nenv_key = "OPENAI_API_KEY"\nwire_api = "responses"\n'
                     'request_max_retries = 1\nstream_max_retries = 1\nsupports_websockets = false\n')
 
+# or Codex's built-in provider pointed at the gateway (Responses WebSocket tried first, remote compaction v2);
+# it takes its key from CODEX_API_KEY (``codex exec``), not OPENAI_API_KEY
+OPENAI_PROVIDER = 'model_provider = "openai"\nopenai_base_url = "$OPENAI_BASE_URL"\n'
+OPENAI_ENV = 'CODEX_API_KEY="$OPENAI_API_KEY"'
+
 
 def codex_command(codex: str, prompt: str = CODEX_PROMPT, extra: str = "",
                   provider: str = GATEWAY_PROVIDER, env: str = "") -> list[str]:

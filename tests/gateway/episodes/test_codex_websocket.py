@@ -30,20 +30,20 @@ import websockets
 
 from agentrl.cli import build_parser
 from agentrl.group import GroupRun, check
-from tests.gateway.episodes.clis import CONTEXT, GATEWAY_PROVIDER, ByPrompt, call, codex_command, installed_clis, served
+from tests.gateway.episodes.clis import (CONTEXT, GATEWAY_PROVIDER, OPENAI_ENV, OPENAI_PROVIDER, ByPrompt, call,
+                                         codex_command, installed_clis, served)
 from tests.gateway.episodes.conftest import ADMIN
 from tests.standin import build_app
 
 PROMPT = "Create a file named hello.txt in the current directory containing exactly the word hi, then reply done."
 PROVIDERS = {
-    "openai": 'model_provider = "openai"\nopenai_base_url = "$OPENAI_BASE_URL"\n',
+    "openai": OPENAI_PROVIDER,
     "custom": GATEWAY_PROVIDER,  # supports_websockets = false, as the capture kit ran it
     "custom-as-documented": ('model_provider = "gateway"\n[model_providers.gateway]\nname = "gateway"\n'
                              'base_url = "$OPENAI_BASE_URL"\nenv_key = "OPENAI_API_KEY"\nwire_api = "responses"\n'),
 }
 
-# the built-in provider takes its key from CODEX_API_KEY (``codex exec``), not OPENAI_API_KEY
-ENV = {"openai": 'CODEX_API_KEY="$OPENAI_API_KEY"', "custom": "", "custom-as-documented": ""}
+ENV = {"openai": OPENAI_ENV, "custom": "", "custom-as-documented": ""}
 
 
 class Watch:

@@ -26,8 +26,9 @@ from agentrl.cli import build_parser
 from agentrl.group import GroupRun, check
 from agentrl.trajectory import decode_batch
 from gateway.episodes import table
-from tests.gateway.episodes.clis import (CODEX_PROMPT, CONTEXT, TASK, ByPrompt, call, claude_command, codex_command,
-                                         installed_clis, served)
+from gateway.episodes.compaction import TRIGGER_PROMPT
+from tests.gateway.episodes.clis import (CODEX_PROMPT, CONTEXT, OPENAI_ENV, OPENAI_PROVIDER, TASK, ByPrompt, call,
+                                         claude_command, codex_command, installed_clis, served)
 from tests.gateway.episodes.conftest import ADMIN, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
 
@@ -133,19 +134,24 @@ def steps_script(prompt: str) -> str:
     window = prompt.split("<|im_start|>assistant")[1:-1]  # the turns answered in this window
     carried = SUMMARY_STEPS.findall(prompt)
     done = (int(carried[-1]) if carried else 0) + sum("exec_command" in turn for turn in window)
-    if COMPACT in last_user:
+    if COMPACT in last_user or TRIGGER_PROMPT in last_user:  # Codex's summarizer, or the gateway's (remote v2)
         return f"SUMMARY: steps done: {done}"
     if done >= 3:
         return "Done."
     return call("exec_command", {"cmd": f"touch step{done + 1}.txt"})
 
 
-async def test_codex_compacts_mid_task_and_stays_one_episode(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
-                                                             tmp_path: Path,
+@pytest.mark.parametrize("compaction", ["local", "remote-v2"])
+async def test_codex_compacts_mid_task_and_stays_one_episode(compaction: str, tiny_model_dir: Path,
+                                                             tokenizer: Any, tmp_path: Path,  # noqa: F811
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """``model_auto_compact_token_limit`` is set a little above the first prompt's size (measured by a first
     run), so that Codex compacts once the task's turns have grown the window, by the usage the gateway
-    reports; the window after it is a new segment compacted_from the first, the summarizer turn in it."""
+    reports; the window after it is a new segment compacted_from the first, the summarizer turn in it.
+    ``local``: a custom provider, Codex's own summarizer request (``request_kind: "compaction"``);
+    ``remote-v2``: the built-in ``openai`` provider, a request ending in ``compaction_trigger`` that the
+    gateway answers with one ``compaction`` item (the summary written by the model as a recorded turn), which
+    the next window's input carries back."""
     clis, why = await asyncio.to_thread(installed_clis)
     if clis is None:
         pytest.skip(f"the real CLIs are not available: {why}")
@@ -159,7 +165,8 @@ async def test_codex_compacts_mid_task_and_stays_one_episode(tiny_model_dir: Pat
 
         async def group(limit: int | None) -> list[dict[str, Any]]:
             extra = f"model_auto_compact_token_limit = {limit}\\n" if limit else ""
-            command = codex_command(clis["codex"], STEPS_PROMPT, extra)
+            command = codex_command(clis["codex"], STEPS_PROMPT, extra) if compaction == "local" else \
+                codex_command(clis["codex"], STEPS_PROMPT, extra, provider=OPENAI_PROVIDER, env=OPENAI_ENV)
             args = build_parser().parse_args([
                 "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--timeout-s", "180",
                 "--reward-cmd", "test -f step3.txt && echo 1 || echo 0", "--", *command])
@@ -173,7 +180,8 @@ async def test_codex_compacts_mid_task_and_stays_one_episode(tiny_model_dir: Pat
         assert attempt["reward"] == 1.0 and attempt["exit_code"] == 0, attempt
         turns = await store.session_interactions(session_id=attempt["session_id"])
         rows = {(r.thread, r.segment): r for r in await table.session_threads(store, attempt["session_id"])}
-        summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
+        role = "summarizer" if compaction == "local" else "compaction_trigger"
+        summarizers = [t for t in turns if t.request["episode"]["role"] == role]
         assert summarizers, [t.request["episode"] for t in turns]
         windows = sorted((r for r in rows.values() if r.edge == "compacted_from"), key=lambda r: r.created_at)
         assert windows and all(w.status == "confirmed" for w in windows), rows
