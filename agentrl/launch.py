@@ -213,13 +213,18 @@ def start_external_engine(procs: Processes, kind: str, model: Path, *, device: s
 
 
 def start_engine_for(procs: Processes, engine: str, *, model: str, device: str, max_running: int = 64,
-                     say: Callable[[str], None] = print) -> tuple[str, dict[str, str]]:
+                     say: Callable[[str], None] = print, default_lora: str | None = None) -> tuple[str, dict[str, str]]:
     """The engine of `agentrl up` / `serve` (``--engine``): its URL, and the flags that tell the gateway and
-    the trainer its kind (none for the embedded engine, which they detect)."""
+    the trainer its kind (none for the embedded engine, which they detect). ``default_lora`` (embedded
+    only): serve requests that name no adapter with this one once the trainer has loaded it."""
     from agentrl.stack import start_engine
 
     if engine == "embedded":
-        return start_engine(procs, model=model, device=device, say=say, max_running_requests=max_running), {}
+        extra = {"default_lora": default_lora} if default_lora else {}
+        return start_engine(procs, model=model, device=device, say=say, max_running_requests=max_running,
+                            **extra), {}
+    if default_lora:
+        raise ValueError(f"--engine {engine}: no default adapter (requests must name it)")
     from engine.models import resolve_model
 
     url, _ = start_external_engine(procs, engine, resolve_model(model), device=device, max_running=max_running,

@@ -76,6 +76,10 @@ class UpSettings:
     engine_max_running: int = field(default=64, metadata={"help": "the embedded engine's --max-running-requests (decode batch); on a GPU raise it with --concurrency, e.g. 128"})
     sync_mode: str = field(default="auto", metadata={"help": "weight sync: disk, broadcast, tensor (CUDA IPC handles; engine and trainer on one GPU) or auto (tensor with --device cuda and the embedded engine, else disk)", "choices": ("auto", "disk", "broadcast", "tensor")})
     release_memory: str = field(default="none", metadata={"help": "during each train step the engine frees this GPU memory (none, kv_cache, or all: KV cache and weights) and takes it back before the weight push (SGLang's release/resume_memory_occupation)", "choices": ("none", "kv_cache", "all")})
+    lora_rank: int = field(default=0, metadata={"help": "train a LoRA adapter of this rank instead of every weight (0: full fine-tuning); the engine serves it to every request (--default-lora), pushes send only the adapter, the checkpoint is the peft adapter (docs/lora.md)"})
+    lora_alpha: float = field(default=32.0, metadata={"help": "LoRA scaling numerator (the adapter adds lora_alpha / lora_rank x B A x)"})
+    lora_targets: str = field(default="all-linear", metadata={"help": "comma-separated module names to adapt (e.g. q_proj,v_proj), or all-linear"})
+    lora_name: str = field(default="policy", metadata={"help": "the adapter's name on the engine"})
     step_timeout_s: float = field(default=900.0, metadata={"help": "give up when one step takes longer than this"})
 
     @property
@@ -91,6 +95,13 @@ class UpSettings:
                 engine_python(self.engine, self.device)
             except EngineUnavailable as exc:  # refused before anything starts
                 raise SettingsError(str(exc)) from exc
+        if self.lora_rank < 0:
+            raise SettingsError("--lora-rank must be 0 (full fine-tuning) or a positive rank, e.g. 16")
+        if self.lora_rank and (self.engine != "embedded" or self.engine_url):
+            raise SettingsError(
+                "--lora-rank needs the embedded engine started by up: it serves the adapter to every request "
+                "(--default-lora); vLLM and SGLang serve an adapter only to requests that name it, and the gateway "
+                "names none yet (docs/lora.md)")
         if self.sync_mode == "auto":  # colocated on one GPU: weights by CUDA IPC handles, no copy through disk
             embedded = self.engine == "embedded" and not self.engine_url
             self.sync_mode = "tensor" if self.device == "cuda" and embedded else "disk"
@@ -166,8 +177,16 @@ def child_argvs(settings: UpSettings, out: Path, keys: Keys, *, engine_url: str,
                                 sync_mode=settings.sync_mode, device=settings.device, micro_batch_tokens=4096,
                                 release_memory=settings.release_memory,
                                 keep_checkpoints=settings.keep_checkpoints, save_optimizer=settings.save_optimizer,
-                                **kind),
+                                **kind, **lora_flags(settings)),
     }
+
+
+def lora_flags(settings: UpSettings) -> dict[str, object]:
+    """The trainer's LoRA flags (none for full fine-tuning)."""
+    if not settings.lora_rank:
+        return {}
+    return {"lora_rank": settings.lora_rank, "lora_alpha": settings.lora_alpha,
+            "lora_targets": settings.lora_targets, "lora_name": settings.lora_name}
 
 
 def up(settings: UpSettings) -> dict[str, Any]:
@@ -191,7 +210,8 @@ def up(settings: UpSettings) -> dict[str, Any]:
             if not engine_url:
                 engine_url, kind = start_engine_for(procs, settings.engine, model=settings.model,
                                                     device=settings.device, say=say,
-                                                    max_running=settings.engine_max_running)
+                                                    max_running=settings.engine_max_running,
+                                                    default_lora=settings.lora_name if settings.lora_rank else None)
             gport = free_port()
             gateway_url = f"http://127.0.0.1:{gport}"
             argvs = child_argvs(settings, out, keys, engine_url=engine_url, gateway_port=gport, kind=kind)
@@ -402,6 +422,8 @@ def _write_results(settings: UpSettings, out: Path, steps: list[dict[str, Any]],
         "first_step_reward": steps[0]["mean_reward"], "last_step_reward": steps[-1]["mean_reward"],
         "per_step": steps, "reward_curve": str(png),
         "checkpoint": str(checkpoint) if checkpoint else None,
+        "lora": ({"rank": settings.lora_rank, "alpha": settings.lora_alpha, "targets": settings.lora_targets,
+                  "name": settings.lora_name} if settings.lora_rank else None),
         "elapsed_s": round(elapsed_s, 1), "out_dir": str(out),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -434,7 +456,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  training mean episode reward: step 1 {_fmt(summary['first_step_reward'])} -> step {summary['steps']} "
         f"{_fmt(summary['last_step_reward'])}",
         f"  reward curve: {summary['reward_curve']}",
-        f"  checkpoint:   {summary['checkpoint']}",
+        f"  checkpoint:   {summary['checkpoint']}" + (
+            " (the peft adapter; `agentrl export-model --merge` writes base + adapter)" if summary.get("lora") else ""),
         f"  summary:      {summary['out_dir']}/summary.json",
     ]
     return "\n".join(lines)

@@ -184,3 +184,33 @@ def test_an_engine_that_dies_while_starting_fails_with_its_log(tmp_path: Path):
         with pytest.raises(ChildFailed, match=r"(?s)exited with 3 while starting.*no such model"):
             launch.wait_ready(procs, child, f"http://127.0.0.1:{free_port()}/health", timeout_s=180, say=print)
 
+
+
+def test_up_lora_flags_reach_the_trainer_and_the_engine_serves_the_adapter(tmp_path: Path):
+    from agentrl.stack import engine_argv
+    from agentrl.up import Keys, UpSettings, child_argvs
+    from engine.config import EngineSettings
+
+    settings = load(UpSettings, env={}, lora_rank=8, lora_alpha=16.0, lora_targets="q_proj,v_proj",
+                    out_dir=str(tmp_path))
+    argvs = child_argvs(settings, tmp_path, Keys(new_key("admin"), new_key("runner")), engine_url="http://e:1",
+                        gateway_port=8)
+    trainer = parsed(argvs["trainer"], TrainerSettings)
+    assert (trainer.lora_rank, trainer.lora_alpha, trainer.lora_targets, trainer.lora_name) == (
+        8, 16.0, ["q_proj", "v_proj"], "policy")
+    full = child_argvs(load(UpSettings, env={}, out_dir=str(tmp_path)), tmp_path,
+                       Keys(new_key("admin"), new_key("runner")), engine_url="http://e:1", gateway_port=8)
+    assert parsed(full["trainer"], TrainerSettings).lora_rank == 0
+    # what start_engine_for gives the embedded engine for a LoRA run
+    engine = parsed(engine_argv(model="tiny", port=5, device="cpu", default_lora="policy"), EngineSettings)
+    assert engine.default_lora == "policy"
+
+
+def test_up_lora_needs_the_embedded_engine(vllm_venv: Path, tmp_path: Path):
+    from agentrl.up import UpSettings
+
+    for extra in ({"engine": "vllm"}, {"engine_url": "http://e:1"}):
+        with pytest.raises(SettingsError, match="--lora-rank needs the embedded engine"):
+            load(UpSettings, env={}, lora_rank=4, out_dir=str(tmp_path), **extra)
+    with pytest.raises(SettingsError, match="--lora-rank must be 0"):
+        load(UpSettings, env={}, lora_rank=-1, out_dir=str(tmp_path))
