@@ -31,9 +31,10 @@ recorded with the turn under their OpenAI names (:func:`penalties_json`). A gram
 (``params.grammar``: kind, origin and the constraint's text), so export can tell the turn was masked.
 
 The checks run on the conversation core's request (:class:`~gateway.wire.ChatCompletionRequest` or
-:class:`~gateway.wire.CompletionRequest`); the Responses and Messages formats set the request's
-``wire_names``, which map the core's field names back onto their own wire names (``text.format``,
-``tool_choice.type``), so the error points at what their client sent.
+:class:`~gateway.wire.CompletionRequest`); the Responses and Messages formats hand the core their
+``wire_names`` with it (``CoreRequest.wire_names``, passed on as ``names`` here), which map the core's
+field names back onto their own wire names (``text.format``, ``tool_choice.type``), so the error points at
+what their client sent.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def refuse_unenforced(req: ChatCompletionRequest | CompletionRequest,
                       names: Mapping[str, str] | None = None) -> None:
     """Raise :class:`InvalidRequest` (400, ``param`` set) for the first constraint the gateway would not
     enforce, or that is malformed (what :func:`grammar_of` checks without compiling). ``names`` maps core
-    field names to the caller's wire names for the error (default: the request's ``wire_names``)."""
-    names = names if names is not None else req.wire_names
+    field names to the caller's wire names for the error (default: the core's own names)."""
+    names = names or {}
     penalties_json(req, names)  # validates the extensions' values
     if isinstance(req, CompletionRequest):
         if req.best_of is not None and req.best_of != req.n:
@@ -228,7 +229,7 @@ def grammar_of(req: ChatCompletionRequest | CompletionRequest,
                names: Mapping[str, str] | None = None) -> Grammar | None:
     """The request's grammar constraint (module table), or None; :class:`InvalidRequest` for a malformed or
     contradictory one. Cheap (no compiling): :func:`check_grammar` builds and compiles it."""
-    names = names if names is not None else req.wire_names
+    names = names or {}
     found: list[Grammar] = []
     for kind in ("regex", "ebnf"):
         value = _extra(req, kind)

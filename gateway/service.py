@@ -36,7 +36,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
@@ -540,11 +540,12 @@ class GenerationService:
         return chain
 
     async def _prepare(self, turn: Turn, req: ChatCompletionRequest | CompletionRequest,
-                       session: SessionRecord | KeyedSession | None, id_prefix: str | None, meta: dict[str, Any] | None
+                       session: SessionRecord | KeyedSession | None, id_prefix: str | None, meta: dict[str, Any] | None,
+                       wire_names: Mapping[str, str] | None = None
                        ) -> tuple[TurnPlan, SamplingParams, list[ChoiceRun], Callable[[ChoiceRun], str]]:
         """Track, plan and size a turn: its plan, sampling parameters, choices and chain-hash function."""
-        refuse_unenforced(req)
-        grammar = grammar_of(req)
+        refuse_unenforced(req, wire_names)
+        grammar = grammar_of(req, wire_names)
         if grammar is not None:  # compiled once here, so a bad schema / regex is a 400 naming its field
             grammar = await asyncio.to_thread(check_grammar, grammar)
         if isinstance(req, ChatCompletionRequest):  # tracks a named session itself (with its parent lookup)
@@ -567,26 +568,28 @@ class GenerationService:
         return plan, params, self._choices(req, prefix, parse_tools), chain
 
     async def run_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | KeyedSession | None, *,
-                       id_prefix: str | None = None, meta: dict[str, Any] | None = None
-                       ) -> tuple[TurnPlan, list[ChoiceRun]]:
+                       id_prefix: str | None = None, meta: dict[str, Any] | None = None,
+                       wire_names: Mapping[str, str] | None = None) -> tuple[TurnPlan, list[ChoiceRun]]:
         """The conversation core, whatever wire format the request came in: plan, generate every choice,
         record; returns the plan and the finished choices for the format to render (``gateway.formats``).
-        ``meta`` is recorded with the request (``format`` and what the format kept out of the prompt)."""
+        ``meta`` is recorded with the request (``format`` and what the format kept out of the prompt);
+        ``wire_names`` name the core's fields as the format's client sent them, in the params of 400s."""
         async with Turn() as turn:
-            plan, params, runs, chain = await self._prepare(turn, req, session, id_prefix, meta)
+            plan, params, runs, chain = await self._prepare(turn, req, session, id_prefix, meta, wire_names)
             await self._generate_all(plan, params, runs)
             await self._record(plan, runs, chain, turn)
         return plan, runs
 
     async def stream_turn(self, req: ChatCompletionRequest | CompletionRequest, session: SessionRecord | KeyedSession | None, *,
-                          id_prefix: str | None = None, meta: dict[str, Any] | None = None
+                          id_prefix: str | None = None, meta: dict[str, Any] | None = None,
+                          wire_names: Mapping[str, str] | None = None
                           ) -> tuple[TurnPlan, list[ChoiceRun], AsyncIterator[TurnEvent]]:
         """The streaming conversation core: plan and start generating (errors before the first engine
         output raise, a normal HTTP error); returns the turn's events (:meth:`_events`) for the format to
         render. The turn is in flight until that iterator ends or is closed."""
         turn = Turn()
         try:
-            plan, params, runs, chain = await self._prepare(turn, req, session, id_prefix, meta)
+            plan, params, runs, chain = await self._prepare(turn, req, session, id_prefix, meta, wire_names)
             events = await self._start_streams(plan, params, runs, turn, chain)
         except BaseException:
             await turn.aclose()

@@ -12,7 +12,7 @@ import logging
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 log = logging.getLogger("agentrl.gateway.wire")
 INT32_MAX = 2**31 - 1  # bound of counters and versions stored in SQL INTEGER columns
@@ -58,13 +58,6 @@ class SamplingFields(WireModel):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    # core field name -> the wire name a format's client sent it under (gateway.constraints: error params)
-    _wire_names: dict[str, str] = PrivateAttr(default_factory=dict)
-
-    @property
-    def wire_names(self) -> dict[str, str]:
-        return self._wire_names
-
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:

@@ -3,7 +3,8 @@ say for the one generic route (``gateway.routes.generation.serve``) to serve it.
 
 A format is its request model, the prefix of its response ids, the name it is recorded under, the shape
 of its errors, the conversion of a parsed request into the conversation core's request (with the metadata
-the turn's recorded request keeps about the wire format), and the rendering of the core's result or of its
+the turn's recorded request keeps about the wire format, and the format's names for the core's fields, which
+the core's 400s name), and the rendering of the core's result or of its
 stream of events. The route does the rest the same way for every format: authenticate, parse, bind the
 session, link the turn into its episode, run the core (``GenerationService.run_turn`` / ``stream_turn``)
 while watching the client, and send JSON or SSE. The core never renders: it plans, generates and records;
@@ -20,7 +21,7 @@ fourth format is one new module with a class that satisfies :class:`WireFormat` 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -44,6 +45,9 @@ class CoreRequest(Generic[R]):
     core: ChatCompletionRequest  # the conversation core's request
     meta: dict[str, Any] | None  # what the turn's recorded request keeps about its wire format
     state: dict[str, Any] = field(default_factory=dict)  # the format's own, for rendering (its conversation...)
+    # core field name -> the name this format's client sent it under, for the ``param`` of the core's 400s
+    # (``response_format`` is ``text.format`` in Responses, ``output_config.format`` in Messages)
+    wire_names: Mapping[str, str] = field(default_factory=dict)
 
 
 class WireFormat(Protocol[R_contra]):

@@ -256,13 +256,15 @@ def to_chat_request(req: MessagesRequest, conv: Conversation) -> ChatCompletionR
         if err.param == "stop":
             err.param = "stop_sequences"
         raise err from exc
-    chat_req._wire_names = {"response_format": "output_config.format",
-                            "response_format.type": "output_config.format.type",
-                            "response_format.json_schema.schema": "output_config.format.schema",
-                            "tool_choice": "tool_choice", "tools[].function.parameters": "tools[].input_schema",
-                            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
-    refuse_unenforced(chat_req)
+    refuse_unenforced(chat_req, WIRE_NAMES)
     return chat_req
+
+
+# the core's field names as a Messages client says them (CoreRequest.wire_names: the param of a 400)
+WIRE_NAMES = {"response_format": "output_config.format", "response_format.type": "output_config.format.type",
+              "response_format.json_schema.schema": "output_config.format.schema", "tool_choice": "tool_choice",
+              "tools[].function.parameters": "tools[].input_schema",
+              "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
 def _response_format(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -487,7 +489,8 @@ class MessagesFormat:
 
     async def to_core(self, svc: Any, who: Any, req: MessagesRequest) -> CoreRequest[MessagesRequest]:
         conv = to_conversation(req, svc.settings.unsupported_tools == "reject")
-        return CoreRequest(wire=req, core=to_chat_request(req, conv), meta=recorded_meta(conv))
+        return CoreRequest(wire=req, core=to_chat_request(req, conv), meta=recorded_meta(conv),
+                           wire_names=WIRE_NAMES)
 
     def render(self, turn: CoreRequest[Any], plan: Any, runs: list[ChoiceRun], svc: Any) -> dict[str, Any]:
         return render_message(turn.wire, runs[0], len(plan.prompt), svc.model_name, svc.tokenizer)

@@ -488,11 +488,14 @@ def to_chat_request(req: ResponsesRequest, conv: Conversation) -> ChatCompletion
         chat_req = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
         raise from_validation_error(exc) from exc
-    chat_req._wire_names = {"response_format": "text.format", "response_format.type": "text.format.type",
-                            "response_format.json_schema.schema": "text.format.schema",
-                            "tools[].function.parameters": "tools[].parameters"}
-    refuse_unenforced(chat_req)
+    refuse_unenforced(chat_req, WIRE_NAMES)
     return chat_req
+
+
+# the core's field names as a Responses client says them (CoreRequest.wire_names: the param of a 400)
+WIRE_NAMES = {"response_format": "text.format", "response_format.type": "text.format.type",
+              "response_format.json_schema.schema": "text.format.schema",
+              "tools[].function.parameters": "tools[].parameters"}
 
 
 def response_format(text: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -542,7 +545,7 @@ class ResponsesFormat:
         if compacting:
             conv.tool_choice = "none"
         return CoreRequest(wire=req, core=to_chat_request(prepared, conv), meta=recorded_meta(conv),
-                           state={"request": prepared, "conversation": conv, "compacting": compacting,
+                           wire_names=WIRE_NAMES, state={"request": prepared, "conversation": conv, "compacting": compacting,
                                   "created": time.time()})
 
     def render(self, turn: CoreRequest[Any], plan: Any, runs: list[ChoiceRun], svc: Any) -> dict[str, Any]:

@@ -55,10 +55,12 @@ async def serve(request: Request, fmt: WireFormat[Any]) -> Response:
     service = GenerationService(svc, owner=who.owner)
     if req.stream:
         plan, runs, events = await unless_disconnected(
-            request, service.stream_turn(turn.core, link.session, id_prefix=fmt.id_prefix, meta=meta))
+            request, service.stream_turn(turn.core, link.session, id_prefix=fmt.id_prefix, meta=meta,
+                                          wire_names=turn.wire_names))
         return StreamingResponse(fmt.stream(turn, plan, runs, link.watch(events, runs), svc),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     plan, runs = await unless_disconnected(
-        request, service.run_turn(turn.core, link.session, id_prefix=fmt.id_prefix, meta=meta))
+        request, service.run_turn(turn.core, link.session, id_prefix=fmt.id_prefix, meta=meta,
+                                  wire_names=turn.wire_names))
     await link.recorded(runs)
     return json_response(fmt.render(turn, plan, runs, svc))
