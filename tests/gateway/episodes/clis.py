@@ -158,18 +158,26 @@ async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path, engine: ByPromp
                 await task
 
 
-def claude_command(claude: str, *extra: str) -> list[str]:
-    """One attempt: Claude Code as the capture kit ran it, in the attempt's own home and directory; ``extra``:
-    more of its arguments."""
-    env = ("HOME=\"$AGENTRL_WORKDIR/../home\" CLAUDE_CONFIG_DIR=\"$AGENTRL_WORKDIR/../home/.claude\" TERM=dumb "
-           "DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 DISABLE_BUG_COMMAND=1 "
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_GROWTHBOOK=1 DISABLE_UPDATES=1 "
-           "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY=1 DISABLE_COST_WARNINGS=1 DISABLE_INSTALLATION_CHECKS=1 "
-           "CLAUDE_CODE_DISABLE_OFFICIAL_MARKETPLACE_AUTOINSTALL=1 CLAUDE_CODE_MAX_RETRIES=1")
-    args = " ".join(shlex.quote(a) for a in [claude, "-p", PROMPT, "--output-format", "json", "--permission-mode",
+CLAUDE_ENV = ("HOME=\"$AGENTRL_WORKDIR/../home\" CLAUDE_CONFIG_DIR=\"$AGENTRL_WORKDIR/../home/.claude\" TERM=dumb "
+              "DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 DISABLE_BUG_COMMAND=1 "
+              "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_GROWTHBOOK=1 DISABLE_UPDATES=1 "
+              "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY=1 DISABLE_COST_WARNINGS=1 DISABLE_INSTALLATION_CHECKS=1 "
+              "CLAUDE_CODE_DISABLE_OFFICIAL_MARKETPLACE_AUTOINSTALL=1 CLAUDE_CODE_MAX_RETRIES=1")
+CLAUDE_HOME = 'mkdir -p "$AGENTRL_WORKDIR/../home"'
+
+
+def claude_run(claude: str, prompt: str, *extra: str) -> str:
+    """One ``claude -p`` run as a shell command: Claude Code as the capture kit ran it, in the attempt's own
+    home and directory; ``extra``: more of its arguments (quoted here)."""
+    args = " ".join(shlex.quote(a) for a in [claude, "-p", prompt, "--output-format", "json", "--permission-mode",
                                               "acceptEdits", "--allowedTools", "Bash", "Write", "Edit", "Read",
-                                              "Agent", "Task", "--no-session-persistence", *extra])
-    return ["sh", "-c", f"mkdir -p \"$AGENTRL_WORKDIR/../home\" && {env} {args}"]
+                                              "Agent", "Task", *extra])
+    return f"{CLAUDE_ENV} {args}"
+
+
+def claude_command(claude: str, *extra: str) -> list[str]:
+    """One attempt: one run on ``PROMPT``, no session kept on disk; ``extra``: more of its arguments."""
+    return ["sh", "-c", f"{CLAUDE_HOME} && {claude_run(claude, PROMPT, '--no-session-persistence', *extra)}"]
 
 
 CODEX_PROMPT = ("Spawn a sub-agent to create a file named hello.txt in the current directory containing exactly "

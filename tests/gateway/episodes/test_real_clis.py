@@ -27,8 +27,9 @@ from agentrl.group import GroupRun, check
 from agentrl.trajectory import decode_batch
 from gateway.episodes import table
 from gateway.episodes.compaction import TRIGGER_PROMPT
-from tests.gateway.episodes.clis import (CODEX_PROMPT, CONTEXT, OPENAI_ENV, OPENAI_PROVIDER, TASK, ByPrompt, call,
-                                         claude_command, codex_command, installed_clis, served)
+from tests.gateway.episodes.clis import (CLAUDE_HOME, CODEX_PROMPT, CONTEXT, OPENAI_ENV, OPENAI_PROVIDER, TASK,
+                                         ByPrompt, call, claude_command, claude_run, codex_command, installed_clis,
+                                         served)
 from tests.gateway.episodes.conftest import ADMIN, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
 
@@ -70,6 +71,64 @@ async def test_claude_code_with_a_sub_agent_four_attempts_as_a_group(tiny_model_
         rewards = {a["session_id"]: a["reward"] for a in attempts}
         assert all(got == {rewards[sid]} for sid, got in by_session.items())  # one reward per episode
         shutil.rmtree(logs)  # kept (--keep) only to show a failed attempt's output
+
+
+CLAUDE_SUMMARIZER = "CRITICAL: Respond with TEXT ONLY"  # Claude Code's compaction instruction
+FIRST = "FIRST-TASK-c41: create first.txt, then reply done."
+SECOND = "SECOND-TASK-9e2: create second.txt, then reply done."
+
+
+def claude_compact_script(prompt: str) -> str:
+    """Claude Code over two tasks with a ``/compact`` between: the summarizer request writes a summary; a
+    task's first turn runs ``Bash`` (``touch``), its second (after the tool result) is done."""
+    if CLAUDE_SUMMARIZER in prompt.split("<|im_start|>user")[-1]:
+        return "<analysis>One task done.</analysis>\n<summary>SUMMARY-c41: first.txt was created.</summary>"
+    task = SECOND if SECOND in prompt else FIRST
+    if prompt.split(task)[-1].count("<|im_start|>assistant") > 1:
+        return "Done."
+    return call("Bash", {"command": f"touch {'second' if task == SECOND else 'first'}.txt", "description": "Touch"})
+
+
+async def test_claude_code_compacts_by_command_and_stays_one_episode(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
+                                                                     tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """One attempt of three Claude Code runs on one kept session (``--session-id``, then ``--resume``): a
+    task, ``/compact`` (Claude's summarizer request), and a second task, whose first request starts from the
+    summary ("This session is being continued ..."). The gateway records them as one episode: the second
+    window a segment ``compacted_from`` the first, confirmed, from the summarizer's turn."""
+    clis, why = await asyncio.to_thread(installed_clis)
+    if clis is None:
+        pytest.skip(f"the real CLIs are not available: {why}")
+
+    def make(reply: str) -> Any:
+        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+
+    small = ("--tools", "Bash", "--system-prompt", "You are a coding agent. Use your tools to do the task.")
+    runs = [claude_run(clis["claude"], FIRST, *small) + ' --session-id "$SID"',
+            claude_run(clis["claude"], "/compact", *small) + ' --resume "$SID"',
+            claude_run(clis["claude"], SECOND, *small) + ' --resume "$SID"']
+    command = ["sh", "-c", f"{CLAUDE_HOME} && SID=$(cat /proc/sys/kernel/random/uuid) && " + " && ".join(runs)]
+    engine = ByPrompt({"done": make("Done.")}, tokenizer, claude_compact_script, make)
+    async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):
+        args = build_parser().parse_args([
+            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--keep", "--timeout-s", "180",
+            "--reward-cmd", "test -f first.txt && test -f second.txt && echo 1 || echo 0", "--", *command])
+        status = await GroupRun(args, check(args)).run()
+        out = capsys.readouterr().out.strip().splitlines()
+        (attempt,) = [json.loads(line) for line in out[:-1]]
+        logs = Path(json.loads(out[-1])["attempts_dir"])
+        assert status == 0 and attempt["reward"] == 1.0, \
+            (attempt, [p.read_text()[-3000:] for p in logs.rglob("*.log")])
+        store = app.state.services.store
+        turns = await store.session_interactions(session_id=attempt["session_id"])
+        rows = await table.session_threads(store, attempt["session_id"])
+        summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
+        assert len(summarizers) == 1, [t.request["episode"] for t in turns]
+        assert sorted((r.kind, r.edge or "", r.status) for r in rows) == \
+            [("main", "", "root"), ("main", "compacted_from", "confirmed")], rows
+        (window,) = [r for r in rows if r.edge == "compacted_from"]
+        assert window.from_turn == summarizers[0].id
+    shutil.rmtree(logs)
 
 
 # ------------------------------------------------------------------------------------------------- Codex
