@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from agentrl import defaults
 from agentrl.settings import SettingsError
 from gateway.engines import ENGINE_KINDS
+from gateway.lifecycle.settings import ExportSettings
 
 
 @dataclass
-class GatewaySettings:
-    env_prefix: ClassVar[str] = "AGENTRL_GATEWAY_"
+class ServingSettings:
+    """The gateway's own settings (serving, engines, store, limits); :class:`GatewaySettings` adds the
+    export ones."""
 
     engine_url: list[str] = field(default_factory=list, metadata={
         "help": "engine URL(s), comma-separated or repeated (e.g. http://127.0.0.1:30000)"})
@@ -73,29 +74,15 @@ class GatewaySettings:
     startup_timeout_s: float = field(default=120.0, metadata={
         "help": "how long start-up waits for at least one healthy engine"})
     log_level: str = field(default="info", metadata={"help": "log level (debug, info, warning)"})
-    # Export, leasing and staleness control (gateway.lifecycle.ExportSettings reads these by name).
-    group_size: int = field(default=defaults.GROUP_SIZE, metadata={
-        "help": "sessions per GRPO group (a session's metadata.group_size overrides; no group_id = a group of one); a registered trainer's group size replaces it in the admission budget"})
-    export_mode: str = field(default="concat", metadata={
-        "help": "trajectory rows: concat (one per leaf, root-to-leaf path) or individual (one per turn)"})
-    gamma: float = field(default=defaults.GAMMA, metadata={"help": "reward discount along each root-to-leaf path (the trainer uses the returns exported with it)"})
-    reward_mode: str = field(default="discounted", metadata={
-        "help": "a row's reward: discounted (return of its first turn) or last (its last turn's reward)"})
-    idle_timeout_s: float = field(default=300.0, metadata={
-        "help": "finish a session idle this long once it has a reward"})
-    group_timeout_s: float = field(default=900.0, metadata={
-        "help": "send an incomplete group after this (its unfinished sessions are abandoned)"})
-    lease_timeout_s: float = field(default=300.0, metadata={
-        "help": "an unacknowledged trajectory lease returns to the queue after this"})
-    stale_max_age_s: float = field(default=60.0, metadata={
-        "help": "drop groups held back as too stale (oldest token version < v - k) after this, giving their "
-                "admission budget back (only a trainer registering a larger staleness bound could still lease them; "
-                "docs/chaos.md)"})
-    max_lease_groups: int = field(default=1024, metadata={"help": "largest max_groups of GET /v1/trajectories"})
-    max_wait_s: float = field(default=300.0, metadata={"help": "largest wait_s of GET /v1/trajectories"})
-    retry_after_s: float = field(default=2.0, metadata={
-        "help": "Retry-After (s) of a 429 when the staleness budget is reached"})
-    tick_s: float = field(default=0.5, metadata={"help": "period of the session lifecycle / export loop"})
+
+
+@dataclass
+class GatewaySettings(ExportSettings, ServingSettings):
+    """Settings of the gateway process: its own (:class:`ServingSettings`) and those of export, leasing and
+    staleness, declared once in :class:`~gateway.lifecycle.settings.ExportSettings` (a dataclass collects
+    the fields of its last base first: the flags keep their order, the export ones last)."""
+
+    env_prefix: ClassVar[str] = "AGENTRL_GATEWAY_"
 
     def validate(self) -> None:
         self.engine_url = [u.strip().rstrip("/") for u in self.engine_url if u.strip()]
@@ -148,6 +135,4 @@ class GatewaySettings:
             host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
             self.public_url = f"http://{host}:{self.port}"
         self.public_url = self.public_url.rstrip("/")
-        from gateway.lifecycle import ExportSettings  # the export fields above, checked in one place
-
-        ExportSettings.from_settings(self)
+        ExportSettings.from_settings(self)  # the export fields, checked in one place

@@ -19,20 +19,32 @@ ENV_PREFIX = "AGENTRL_GATEWAY_"
 
 @dataclass
 class ExportSettings:
-    """Settings of export, leasing and staleness (read from the gateway's settings by field name)."""
+    """Settings of export, leasing and staleness. Declared here only: the gateway's settings
+    (``gateway.settings.GatewaySettings``) inherit these fields, so their flags, environment variables and
+    defaults are these; the help is the flags'."""
 
-    group_size: int = field(default=defaults.GROUP_SIZE, metadata={"help": "sessions per GRPO group (metadata.group_size overrides)"})
-    export_mode: str = field(default="concat", metadata={"help": "concat (row per leaf) or individual (row per turn)"})
-    gamma: float = field(default=defaults.GAMMA, metadata={"help": "discount along each root-to-leaf path"})
-    reward_mode: str = field(default="discounted", metadata={"help": "row reward: discounted (return of turn 0) or last"})
-    idle_timeout_s: float = field(default=300.0, metadata={"help": "finish an idle session with a reward after this"})
-    group_timeout_s: float = field(default=900.0, metadata={"help": "send an incomplete group after this"})
-    lease_timeout_s: float = field(default=300.0, metadata={"help": "an unacknowledged lease returns to the queue after this"})
-    stale_max_age_s: float = field(default=60.0, metadata={"help": "drop held-back stale groups after this"})
-    max_lease_groups: int = field(default=1024, metadata={"help": "largest max_groups of one lease"})
-    max_wait_s: float = field(default=300.0, metadata={"help": "largest wait_s of one lease"})
-    retry_after_s: float = field(default=2.0, metadata={"help": "Retry-After of a 429 at the staleness limit"})
-    tick_s: float = field(default=0.5, metadata={"help": "how often the lifecycle loop runs"})
+    group_size: int = field(default=defaults.GROUP_SIZE, metadata={
+        "help": "sessions per GRPO group (a session's metadata.group_size overrides; no group_id = a group of one); a registered trainer's group size replaces it in the admission budget"})
+    export_mode: str = field(default="concat", metadata={
+        "help": "trajectory rows: concat (one per leaf, root-to-leaf path) or individual (one per turn)"})
+    gamma: float = field(default=defaults.GAMMA, metadata={"help": "reward discount along each root-to-leaf path (the trainer uses the returns exported with it)"})
+    reward_mode: str = field(default="discounted", metadata={
+        "help": "a row's reward: discounted (return of its first turn) or last (its last turn's reward)"})
+    idle_timeout_s: float = field(default=300.0, metadata={
+        "help": "finish a session idle this long once it has a reward"})
+    group_timeout_s: float = field(default=900.0, metadata={
+        "help": "send an incomplete group after this (its unfinished sessions are abandoned)"})
+    lease_timeout_s: float = field(default=300.0, metadata={
+        "help": "an unacknowledged trajectory lease returns to the queue after this"})
+    stale_max_age_s: float = field(default=60.0, metadata={
+        "help": "drop groups held back as too stale (oldest token version < v - k) after this, giving their "
+                "admission budget back (only a trainer registering a larger staleness bound could still lease them; "
+                "docs/chaos.md)"})
+    max_lease_groups: int = field(default=1024, metadata={"help": "largest max_groups of GET /v1/trajectories"})
+    max_wait_s: float = field(default=300.0, metadata={"help": "largest wait_s of GET /v1/trajectories"})
+    retry_after_s: float = field(default=2.0, metadata={
+        "help": "Retry-After (s) of a 429 when the staleness budget is reached"})
+    tick_s: float = field(default=0.5, metadata={"help": "period of the session lifecycle / export loop"})
 
     def validate(self) -> None:
         if self.export_mode not in EXPORT_MODES:
