@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# the SGLang docker-compose.yml pins and the newest one: the contract tests run each release's own code
+# the SGLang release docker-compose.yml pinned before and the newest one (which it pins now): the contract tests run each release's own code
 # (tests/sglang/own_code.py); --no-deps, each into a folder of its own, so that their pins (transformers,
 # tokenizers, ...) touch nothing
 SGLANG := 0.5.19

@@ -33,8 +33,9 @@ COMPOSE_VARIABLES: list[tuple[str, str, bool, str]] = [
     ("POSTGRES_DB", "agentrl", False, "PostgreSQL database of the gateway's store"),
     ("POSTGRES_TAG", "16-alpine", False, "postgres image tag"),
     ("REDIS_TAG", "7-alpine", False, "redis image tag"),
-    ("SGLANG_TAG", "v0.5.19-cu129", True,
-     "lmsysorg/sglang image tag, pinned (the wire format was checked against SGLang 0.5.x); "
+    ("SGLANG_TAG", "v0.5.23-cu129", True,
+     "lmsysorg/sglang image tag, pinned (the wire format and this command line are checked against SGLang "
+     "0.5.19 and 0.5.23's own code); "
      "CUDA 13 tags (e.g. v0.5.22) need a CUDA 13 driver"),
     ("IMAGE_TAG", "latest", False, "tag of the locally built agentrl-gateway / agentrl-trainer images"),
     ("MODEL_DIR", "./models", True,
