@@ -241,17 +241,28 @@ def peer_version(settings: TrainerSettings, control: Any, client: httpx.Client) 
     else:
         urls = list(control.engines())
     for url in urls:
-        for path in ("/model_info", "/get_model_info", "/weight_info"):
-            try:
-                got = _version_of(client, url.rstrip("/") + path, {}, lambda d: d.get("weight_version"))
-            except GatewayError:
-                if len(urls) > 1:  # an engine that is down has no say; the gateway knows what it served
-                    break
+        try:
+            versions.append(engine_version(client, url))
+        except GatewayError:
+            if len(urls) == 1:  # an engine that is down has no say, unless it is the only one
                 raise
-            if got >= 0:
-                versions.append(got)
-                break
     return max(versions)
+
+
+_VERSION_ROUTES = ("/model_info", "/get_model_info", "/weight_info")  # SGLang >= 0.5.23 and ours, 0.5.19, vLLM
+_version_route: dict[str, str] = {}  # engine URL -> the route that answered with a version
+
+
+def engine_version(client: httpx.Client, url: str) -> int:
+    """The weight version ``url`` reports (-1 if none); raises GatewayError if it cannot be reached."""
+    url = url.rstrip("/")
+    known = _version_route.get(url)
+    for path in ([known] if known else []) + [p for p in _VERSION_ROUTES if p != known]:
+        got = _version_of(client, url + path, {}, lambda d: d.get("weight_version"))
+        if got >= 0:
+            _version_route[url] = path
+            return got
+    return -1
 
 
 def repush_if_behind(model: torch.nn.Module, version: int, push: Any, settings: TrainerSettings, info: DistInfo,
@@ -268,15 +279,12 @@ def repush_if_behind(model: torch.nn.Module, version: int, push: Any, settings: 
         except WeightSyncError:
             urls = []
         for url in urls:
-            for path in ("/model_info", "/get_model_info", "/weight_info"):
-                try:
-                    got = _version_of(client, url.rstrip("/") + path, {}, lambda d: d.get("weight_version"))
-                except GatewayError:
-                    break
-                if got >= 0:
-                    if got < version:
-                        behind.append(f"{url} (v{got})")
-                    break
+            try:
+                got = engine_version(client, url)
+            except GatewayError:
+                continue
+            if 0 <= got < version:
+                behind.append(f"{url} (v{got})")
     behind = broadcast_object(behind, info)
     if not behind:
         return False
