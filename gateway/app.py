@@ -35,6 +35,7 @@ from gateway.context import Services
 from gateway.control import ControlPlane
 from gateway.engine_client import EngineRouter
 from gateway.engines import EngineInfo, connect_engines
+from gateway.episodes.linker import EpisodeLinker
 from gateway.fasthttp import FastHTTP
 from gateway.lifecycle import ExportSettings, StalenessAdmission, TrajectoryService
 from gateway.memory import trim_loop
@@ -56,6 +57,7 @@ from gateway.settings import GatewaySettings
 from gateway.store import Store
 from gateway.store import errors as store_errors
 from gateway.store.dberrors import translate
+from gateway.trainer_log import TrainerLog
 
 log = logging.getLogger("agentrl.gateway")
 
@@ -326,7 +328,6 @@ def create_app(
                 opened = await StoreImpl.open(settings.db, redis_url=settings.redis,
                                               redis_prefix=settings.redis_prefix)
             name = settings.model_name or model_name(info)
-            app.state.started_at = time.time()
             control = ControlPlane(router, metrics, redis=opened.redis, prefix=opened.redis_prefix,
                                    pause_timeout_s=settings.pause_timeout_s)
             # the lifecycle, built here and handed to the services typed: the export loop (with the
@@ -337,7 +338,8 @@ def create_app(
                 settings=settings, store=opened, router=router, tokenizer=tok, template=template,
                 metrics=metrics, model_name=name, context_length=context, implicit=ImplicitIndex(opened),
                 admission=chosen, inflight=trajectories.inflight, trajectories=trajectories,
-                app_state=app.state, control=control)
+                trainer_log=TrainerLog(opened.redis, prefix=opened.redis_prefix),
+                episodes=EpisodeLinker(opened, metrics.registry), started_at=time.time(), control=control)
             services = app.state.services
             metrics.watch_caches(lambda: [*services.store.cache_sizes(), *services.implicit.cache_sizes(),
                                           *services.router.cache_sizes(), *services.template.cache_sizes(),

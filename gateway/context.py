@@ -8,10 +8,9 @@ loop) are built next to the store in ``gateway.app``'s lifespan and handed in he
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from starlette.datastructures import State
 
 from gateway.admission import Admission
 from gateway.binding import ImplicitIndex
@@ -22,6 +21,10 @@ from gateway.lifecycle import InFlight, TrajectoryService
 from gateway.metrics import Metrics
 from gateway.settings import GatewaySettings
 from gateway.store import Store
+from gateway.trainer_log import TrainerLog
+
+if TYPE_CHECKING:
+    from gateway.episodes.linker import EpisodeLinker
 
 
 @dataclass
@@ -38,7 +41,9 @@ class Services:
     admission: Admission  # charges new sessions (the staleness budget unless create_app was given another)
     inflight: InFlight  # the turns in flight, which the lifecycle never cuts off
     trajectories: TrajectoryService  # the export loop and what the trajectory routes call
-    app_state: State  # the app's state, for parts that keep a per-app object there (trainer log, episodes)
+    trainer_log: TrainerLog  # the trainer's step reports (POST /admin/trainer), for the viewer's trainer page
+    episodes: EpisodeLinker  # places Messages / Responses / chat requests in their agent episodes
+    started_at: float  # when the app started serving (the models' ``created``)
     control: ControlPlane | None = None  # pause state and weight version shared by every replica
 
 

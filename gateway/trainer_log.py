@@ -66,12 +66,3 @@ class TrainerLog:
             raise StoreUnavailable(f"Redis failed: {exc}") from exc
         return [json.loads(item) for item in raw]
 
-
-def trainer_log(app_state: Any) -> TrainerLog:
-    """The app's log, made on first use over the store's Redis (if any)."""
-    log: TrainerLog | None = getattr(app_state, "trainer_log", None)
-    if log is None:
-        store = app_state.services.store
-        log = TrainerLog(store.redis, prefix=store.redis_prefix)
-        app_state.trainer_log = log
-    return log

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.episodes.linker import EpisodeLink, linker_of
+from gateway.episodes.linker import EpisodeLink
 
 
 async def link_request(request: Any, svc: Any, who: Any, session: Any, req: Any, api: str) -> EpisodeLink:
     """The episode link of a Messages (``api="messages"``), Responses (``"responses"``) or chat completions
     (``"chat"``: only the ``X-AgentRL-*`` headers are read there) request."""
     body = {"input": req.input} if api == "responses" else {"messages": req.messages}
-    linker = linker_of(svc.app_state, svc.store, svc.metrics.registry)
-    return await linker.link(request.headers, body, api, session=session, owner=who.owner,
+    return await svc.episodes.link(request.headers, body, api, session=session, owner=who.owner,
                              implicit_allowed=session is None and who.role in ("agent", "admin"))
 
 

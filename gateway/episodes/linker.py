@@ -377,12 +377,3 @@ def _evidence(body: Mapping[str, Any]) -> str:
 
     walk(body.get("messages") if "messages" in body else body.get("input"))
     return "\n".join(parts)
-
-
-def linker_of(app_state: Any, store: Any, registry: Any) -> EpisodeLinker:
-    """The app's linker (made on first use, so that the app's construction is left alone)."""
-    found = getattr(app_state, "episode_linker", None)
-    if found is None or found.store is not store:
-        found = EpisodeLinker(store, registry)
-        app_state.episode_linker = found
-    return found

@@ -13,7 +13,6 @@ from gateway.binding import require_admin
 from gateway.context import services
 from gateway.control import ControlPlane
 from gateway.routes.common import caller, json_body, read_json
-from gateway.trainer_log import trainer_log
 from gateway.wire import PauseRequest, ResumeRequest, TrainerStatus
 
 router = APIRouter(prefix="/admin")
@@ -72,7 +71,7 @@ async def trainer(request: Request) -> JSONResponse:
     if inspect.isawaitable(applied):  # the staleness hook writes the state to the shared store
         await applied
     if body.metrics:
-        await trainer_log(request.app.state).add(version=body.version, metrics=body.metrics)
+        await services(request).trainer_log.add(version=body.version, metrics=body.metrics)
     return JSONResponse(await admission_status(admission))
 
 

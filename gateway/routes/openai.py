@@ -4,7 +4,6 @@ text completions, models."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -76,7 +75,7 @@ async def _completion_batch(request: Request, req: CompletionRequest, session: A
 
 def _model(request: Request) -> dict[str, Any]:
     svc = services(request)
-    return {"id": svc.model_name, "object": "model", "created": int(svc.app_state.started_at or time.time()),
+    return {"id": svc.model_name, "object": "model", "created": int(svc.started_at),
             "owned_by": "agentrl", "max_model_len": svc.context_length}
 
 

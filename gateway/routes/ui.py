@@ -35,7 +35,6 @@ from gateway.lifecycle import ExportSettings
 from gateway.routes.common import read_body
 from gateway.store import errors as store_errors
 from gateway.store.browse import MAX_PAGE, SessionFilter
-from gateway.trainer_log import trainer_log
 from gateway.ui import STATIC_FILES, render
 from gateway.ui import views
 from gateway.ui.auth import COOKIE, TTL_S, check_login_key, mint, require_viewer
@@ -124,8 +123,8 @@ async def _sessions(request: Request) -> dict[str, Any]:
 
 
 async def _trainer(request: Request) -> dict[str, Any]:
-    entries = await trainer_log(request.app.state).entries()
-    return await views.trainer_detail(request.app.state, entries)
+    svc = services(request)
+    return await views.trainer_detail(svc, await svc.trainer_log.entries())
 
 
 def _json(data: Any) -> JSONResponse:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from agentrl.trajectory import Row, Turn, abandoned_retries, export_session, turn_from_interaction
@@ -28,6 +28,9 @@ from gateway.store import Interaction, SessionRecord, Store
 from gateway.store import errors as store_errors
 from gateway.store.browse import SessionFilter, sessions_page, status_counts
 from gateway.store.tree import tree_json
+
+if TYPE_CHECKING:
+    from gateway.context import Services
 
 MAX_TOKENS_SHOWN = 16384  # a token view longer than this shows its last tokens (the newest turn)
 
@@ -327,9 +330,8 @@ def chart(entries: Sequence[dict[str, Any]], name: str, *, width: int = 520, hei
     }
 
 
-async def trainer_detail(app_state: Any, entries: list[dict[str, Any]]) -> dict[str, Any]:
+async def trainer_detail(svc: Services, entries: list[dict[str, Any]]) -> dict[str, Any]:
     """Staleness budget, queue depth, leases and acks, versions, and the trainer's step reports."""
-    svc = app_state.services
     described = await svc.trajectories.describe()
     router = svc.router
     return {
