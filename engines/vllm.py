@@ -18,6 +18,9 @@ routes exist only when the server runs with ``VLLM_SERVER_DEV_MODE=1``):
 - Disk weight update: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
   (every worker reloads in place from the directory), then ``POST /update_weight_version
   {"new_version": "N"}``.
+- LoRA adapters (:meth:`VLLMOps.reload_adapter`): ``POST /v1/load_lora_adapter {lora_name, lora_path,
+  load_inplace}``, ``POST /v1/unload_lora_adapter {lora_name}`` (``entrypoints/serve/lora``; only with
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` and ``--enable-lora``); requests name the adapter as ``model``.
 - The trainer's side (:class:`VLLMOps`): ``/pause?mode=keep``, ``/resume``, the disk update above, the
   prefix-cache reset, and memory release around the train step as vLLM's sleep mode (``/sleep?level=1``,
   ``/release_kv_cache_memory``, ``/wake_up``; needs ``--enable-sleep-mode``). vLLM's weight-transfer pushes

@@ -5,7 +5,8 @@ tiny vLLM model is pushed with ``trainer.lora_push.push_adapter`` (pause, ``POST
 ``/update_weight_version``, resume: ``engines.vllm.VLLMOps``), then a chat completion through the real
 ``openai`` SDK naming the adapter as ``model`` returns tokens whose logprobs differ from the base model's,
 and vLLM's logprobs under the adapter are the trainer's own. A second version is pushed under the same name
-(``load_inplace``) and serves again the trainer's logprobs, at the new weight version.
+(``load_inplace``) and serves again the trainer's logprobs, at the new weight version; a tensor push is refused
+(vLLM has no tensor route) and leaves version and adapter as they were; unload takes the name away.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from agentrl.procs import Processes
 from engine.models import agentrl_home
+from engines.vllm import VLLMOps
 from tests.conftest import free_port
 from tests.trainer.helpers import synthetic_rows
 from tests.vllm import server
@@ -72,7 +74,7 @@ def test_an_adapter_trained_one_step_is_pushed_to_vllm_and_served_by_name(lora_v
     from trainer.lora_push import AdapterSync, push_adapter
     from trainer.model import build_optimizer, init_distributed, load_model
     from trainer.step import train_step
-    from trainer.weight_sync import DirectControl
+    from trainer.weight_sync import DirectControl, WeightSyncError
 
     info = init_distributed("cpu")
     settings = TrainerSettings(engine_urls=[lora_vllm.url], micro_batch_tokens=4096, lora_rank=4, lora_alpha=8,
@@ -116,3 +118,16 @@ def test_an_adapter_trained_one_step_is_pushed_to_vllm_and_served_by_name(lora_v
     assert gap2 < 1e-3, f"the reloaded adapter's logprobs are not the trainer's (gap {gap2:.2e})"
     assert max(abs(a - b) for a, b in zip(served, served2)) > 1e-4 or ids != ids2  # v2 is not v1
     assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == [f"{ADAPTER}-v1", f"{ADAPTER}-v2"]
+
+    # vLLM has no tensor route: such a push is refused with the reason, and vLLM keeps serving version 2
+    tensors = AdapterSync(ADAPTER, "tensor", tmp_path / "sync", client, engine_kind="vllm")
+    with pytest.raises(WeightSyncError, match="only from a directory.*keep serving version 2"):
+        push_adapter(model, 3, info=info, transport=tensors, control=control, retries=1)
+    assert int(httpx.get(lora_vllm.url + "/weight_info").json()["weight_version"]) == 2
+    ids3, served3 = completion(sdk, ADAPTER, prompt)  # resumed, the same adapter
+    assert ids3 == ids2 and max(abs(a - b) for a, b in zip(served3, served2)) < 1e-5
+
+    ops = VLLMOps(client, lora_vllm.url)
+    assert ops.unload_adapter(ADAPTER) is True and ops.unload_adapter(ADAPTER) is False
+    with pytest.raises(openai.NotFoundError):
+        completion(sdk, ADAPTER, prompt)
