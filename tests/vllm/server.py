@@ -16,7 +16,6 @@ It is shaped for vLLM's CPU attention (head size 32: the backend supports 32, 64
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from agentrl import launch
@@ -33,30 +32,28 @@ ensure_venv = launch.ensure_vllm_venv
 
 
 def tiny_vllm_model(target: Path) -> Path:
-    """Build the tiny model directory (seed 0) under ``target`` once; returns it."""
-    if (target / "config.json").exists():
-        return target
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """Build the tiny model directory (seed 0) under ``target`` once; returns it. Built in a folder of its own
+    and renamed into place (``engine.models._publish``), so that two test workers building it at once, or a
+    server already reading it, never see a half-written or replaced directory."""
+    from engine.models import TOOL_CHATML_TEMPLATE, _publish, smollm2_tokenizer_dir
 
-    from engine.models import TOOL_CHATML_TEMPLATE, smollm2_tokenizer_dir
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
-    tok.chat_template = TOOL_CHATML_TEMPLATE
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                         tie_word_embeddings=True, dtype="float32",
-                         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-                         bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+        tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        tok.chat_template = TOOL_CHATML_TEMPLATE
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                             tie_word_embeddings=True, dtype="float32",
+                             eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                             bos_token_id=tok.convert_tokens_to_ids("<|im_start|>"))
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    return _publish(build, target)
 
 
 def server_argv(model: Path, port: int, *, max_model_len: int = 2048) -> list[str]:
