@@ -1,4 +1,7 @@
-"""What every `agentrl` command that supervises processes shares: its parser and its preamble.
+"""What every `agentrl` command shares: its parser and its preamble.
+
+The servers (`agentrl engine`, `agentrl gateway`) load their settings and set up logging through
+:func:`run_server`; SIGTERM is theirs (uvicorn's graceful shutdown, the gateway's worker supervisor).
 
 `up`, `serve` and `eval` start children (engine, gateway, trainer) inside ``with Processes(...)``, which
 stops them all when the block is left. Ctrl-C leaves it through ``KeyboardInterrupt``; SIGTERM (a process
@@ -11,6 +14,7 @@ way and exit with the same status.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -41,10 +45,8 @@ def run_command(name: str, settings: type[T], args: argparse.Namespace, main: Ca
     An exception of a type in ``errors`` is printed and exits with its status; Ctrl-C and SIGTERM print
     ``interrupted_says`` and exit with ``interrupted``.
     """
-    try:
-        loaded = load(settings, args)
-    except SettingsError as exc:
-        print(f"agentrl {name}: {exc}", file=sys.stderr)
+    loaded = load_settings(name, settings, args)
+    if loaded is None:
         return 2
     try:
         with sigterm_as_interrupt():
@@ -55,6 +57,34 @@ def run_command(name: str, settings: type[T], args: argparse.Namespace, main: Ca
     except tuple(errors or ()) as exc:
         print(f"agentrl {name}: {exc}", file=sys.stderr)
         return next(code for kind, code in (errors or {}).items() if isinstance(exc, kind))
+
+
+def load_settings(name: str, settings: type[T], args: argparse.Namespace) -> T | None:
+    """The command's settings (flags > env > YAML > defaults, validated), or None once it has printed why
+    they are wrong (the command then exits 2)."""
+    try:
+        return load(settings, args)
+    except SettingsError as exc:
+        print(f"agentrl {name}: {exc}", file=sys.stderr)
+        return None
+
+
+def run_server(name: str, settings: type[T], args: argparse.Namespace, main: Callable[[T], int], *,
+               log_format: str, quiet: tuple[str, ...] = ()) -> int:
+    """The preamble of a command that serves until it is stopped: load the settings (exit 2 with the message
+    when they are wrong), log at their ``log_level`` in ``log_format`` (the loggers named in ``quiet`` at
+    warnings and above: one line per request otherwise), then ``main(settings)``."""
+    loaded = load_settings(name, settings, args)
+    if loaded is None:
+        return 2
+    configure_logging(loaded.log_level, log_format, quiet)  # type: ignore[attr-defined]
+    return main(loaded)
+
+
+def configure_logging(level: str, log_format: str, quiet: tuple[str, ...] = ()) -> None:
+    logging.basicConfig(level=level.upper(), format=log_format)
+    for noisy in quiet:
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 @contextmanager

@@ -3,31 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from agentrl.settings import SettingsError, add_arguments, load
+from agentrl.command import add_command, run_server
 from engine.config import EngineSettings
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
-        "engine",
-        help="the embedded SGLang-compatible inference server",
-        description="Serve a Hugging Face causal LM over SGLang's native HTTP API with continuous batching.",
-    )
-    add_arguments(parser, EngineSettings)
-    parser.set_defaults(func=run)
+    add_command(sub, "engine", EngineSettings, run, help="the embedded SGLang-compatible inference server",
+                description="Serve a Hugging Face causal LM over SGLang's native HTTP API with continuous\n"
+                            "batching.")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        settings = load(EngineSettings, args)
-    except SettingsError as exc:
-        print(f"agentrl engine: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_server("engine", EngineSettings, args, _main, log_format=LOG_FORMAT)
 
+
+def _main(settings: EngineSettings) -> int:
     import uvicorn
 
     from engine.server import create_app

@@ -12,26 +12,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from agentrl.settings import SettingsError, add_arguments, load
+from agentrl.command import add_command, run_server
 from gateway.settings import GatewaySettings
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+QUIET = ("httpx", "alembic")  # one line per engine request / migration step otherwise
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("gateway", help="the OpenAI-compatible recording gateway",
-                            description="Serve the OpenAI API over SGLang-native engines and record every turn.")
-    add_arguments(parser, GatewaySettings)
-    parser.set_defaults(func=run)
+    add_command(sub, "gateway", GatewaySettings, run, help="the OpenAI-compatible recording gateway",
+                description="Serve the OpenAI API over SGLang-native engines and record every turn.")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        settings = load(GatewaySettings, args)
-    except SettingsError as exc:
-        print(f"agentrl gateway: {exc}", file=sys.stderr)
-        return 2
-    from gateway.workers import Supervisor, check_port_free, configure_logging, serve
+    return run_server("gateway", GatewaySettings, args, _main, log_format=LOG_FORMAT, quiet=QUIET)
 
-    configure_logging(settings)
+
+def _main(settings: GatewaySettings) -> int:
+    from gateway.workers import Supervisor, check_port_free, serve
+
     if settings.workers == 1:
         serve(settings)
         return 0

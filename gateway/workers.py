@@ -38,7 +38,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.command import configure_logging
 from agentrl.procs import die_with
+from gateway.cli import LOG_FORMAT, QUIET
 from gateway.settings import GatewaySettings
 
 log = logging.getLogger("agentrl.gateway.workers")
@@ -206,18 +208,11 @@ def serve(settings: GatewaySettings, *, sock: socket.socket | None = None, index
         sys.exit(3)  # uvicorn returns normally when the lifespan failed at start-up
 
 
-def configure_logging(settings: GatewaySettings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "alembic"):  # one line per engine request / migration step otherwise
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
 def worker_main() -> None:
     """Entry point of one worker (``python -m gateway.workers``, started by :class:`Supervisor`)."""
     spec = json.loads(os.environ.pop(CHILD_ENV))
     settings = GatewaySettings(**spec["settings"])
-    configure_logging(settings)
+    configure_logging(settings.log_level, LOG_FORMAT, QUIET)  # as `agentrl gateway` (gateway.cli) does
     sock = socket.socket(fileno=int(spec["fd"]))
     serve(settings, sock=sock, index=int(spec["index"]))
 
