@@ -134,12 +134,14 @@ class Script:
 
 @asynccontextmanager
 async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path, engine: ByPrompt | None = None,
-                 wrap: Callable[[Any], Any] | None = None) -> AsyncIterator[tuple[str, Any, ByPrompt]]:
-    """The gateway on a real socket; ``wrap``: an ASGI middleware around it (to watch what reaches it)."""
+                 wrap: Callable[[Any], Any] | None = None,
+                 context: int = CONTEXT) -> AsyncIterator[tuple[str, Any, ByPrompt]]:
+    """The gateway on a real socket; ``wrap``: an ASGI middleware around it (to watch what reaches it);
+    ``context``: the gateway's context length (the stand-ins' stays ``CONTEXT``)."""
     engine = engine or ByPrompt({k: build_app(str(tiny_model_dir), [v], tokenizer=tok, context_length=CONTEXT)
                                  for k, v in REPLIES.items()}, tok, Script())
     settings = GatewaySettings(engine_url=["http://engine"], db=f"sqlite+aiosqlite:///{tmp_path}/gw.db",
-                               admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600, context_length=CONTEXT)
+                               admin_key=ADMIN, agent_key=[AGENT], health_interval_s=3600, context_length=context)
     settings.validate()
     async with httpx.AsyncClient(transport=engine, timeout=120) as engine_http:
         app = create_app(settings, http=engine_http, tokenizer=tok)

@@ -131,6 +131,71 @@ async def test_claude_code_compacts_by_command_and_stays_one_episode(tiny_model_
     shutil.rmtree(logs)
 
 
+CONTINUED = "This session is being continued from a previous conversation"
+BIG_TASK = "BIG-TASK-5d0: show big1.txt, then big2.txt, then reply done."
+
+
+def claude_reactive_script(prompt: str) -> str:
+    """Claude Code reading two long files, one a turn, then done; the summarizer writes a summary, and the
+    window after it (which starts from the summary) is done. Read by the files' end markers (``ByPrompt``
+    sees only a prompt's last 4,000 tokens)."""
+    if CLAUDE_SUMMARIZER in prompt.split("<|im_start|>user")[-1]:
+        return "<analysis>Both files shown.</analysis>\n<summary>SUMMARY-5d0: big1.txt and big2.txt shown.</summary>"
+    if CONTINUED in prompt or "END-OF-BIG2" in prompt:
+        return "Done."
+    return call("Bash", {"command": f"cat big{2 if 'END-OF-BIG1' in prompt else 1}.txt", "description": "Show"})
+
+
+async def test_claude_code_compacts_on_prompt_too_long(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
+                                                       tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reactive compaction, live: a first run (the gateway's context large) measures the requests of a task
+    that reads two long files; the second runs it with the gateway's context just under its last request,
+    so that request is refused with Anthropic's "prompt is too long", Claude Code compacts (its summarizer
+    request: the history less the last round, under the context) and sends again from the summary. One
+    episode: the window after the summary ``compacted_from`` the first, confirmed."""
+    clis, why = await asyncio.to_thread(installed_clis)
+    if clis is None:
+        pytest.skip(f"the real CLIs are not available: {why}")
+
+    def make(reply: str) -> Any:
+        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+
+    small = ("--tools", "Bash", "--system-prompt", "You are a coding agent. Use your tools to do the task.")
+    files = "(seq 1 1500; echo END-OF-BIG1) > big1.txt && (seq 2001 3500; echo END-OF-BIG2) > big2.txt"
+    run = claude_run(clis["claude"], BIG_TASK, *small, "--max-turns", "8")  # a wrong answer cannot loop for ever
+    command = ["sh", "-c", f"{CLAUDE_HOME} && {files} && {run}"]
+
+    async def attempt(where: Path, context: int) -> tuple[dict[str, Any], Any]:
+        where.mkdir()
+        engine = ByPrompt({"done": make("Done.")}, tokenizer, claude_reactive_script, make)
+        async with served(tiny_model_dir, tokenizer, where, engine, context=context) as (base, app, _):
+            args = build_parser().parse_args([
+                "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--keep", "--timeout-s", "180",
+                "--reward-cmd", "echo 1", "--", *command])
+            status = await GroupRun(args, check(args)).run()
+            out = capsys.readouterr().out.strip().splitlines()
+            (got,) = [json.loads(line) for line in out[:-1]]
+            logs = Path(json.loads(out[-1])["attempts_dir"])
+            assert status == 0 and got["exit_code"] == 0, (got, [p.read_text()[-3000:] for p in logs.rglob("*.log")])
+            shutil.rmtree(logs)
+            store = app.state.services.store
+            turns = sorted(await store.session_interactions(session_id=got["session_id"]), key=lambda t: t.created_at)
+            sizes = [len(await store.full_sequence(interaction_id=t.id)) - len(t.output_ids) for t in turns]
+            return got, (turns, sizes, await table.session_threads(store, got["session_id"]))
+
+    _, (turns, sizes, _) = await attempt(tmp_path / "probe", CONTEXT)
+    assert len(sizes) == 3 and sizes[2] - sizes[1] > 2000, sizes  # the task's three requests; big2's output
+    context = sizes[2] - 100
+    _, (turns, sizes, rows) = await attempt(tmp_path / "tight", context)
+    assert max(sizes) < context  # the refused request is not recorded; the summarizer's and the next fit
+    summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
+    assert len(summarizers) == 1, [t.request["episode"] for t in turns]
+    assert sorted((r.kind, r.edge or "", r.status) for r in rows) == \
+        [("main", "", "root"), ("main", "compacted_from", "confirmed")], rows
+    (window,) = [r for r in rows if r.edge == "compacted_from"]
+    assert window.from_turn == summarizers[0].id
+
+
 # ------------------------------------------------------------------------------------------------- Codex
 
 AGENT_ID = re.compile(r'"agent_id":\s*"([^"]+)"')
