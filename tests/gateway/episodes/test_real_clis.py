@@ -196,6 +196,62 @@ async def test_claude_code_compacts_on_prompt_too_long(tiny_model_dir: Path, tok
     assert window.from_turn == summarizers[0].id
 
 
+HUGE_TASK = "HUGE-TASK-b71: show huge1.txt, huge2.txt, ... one a turn, until told to stop."
+HUGE_END = re.compile(r"END-OF-HUGE(\d)")
+
+
+def claude_auto_script(prompt: str) -> str:
+    """Claude Code showing files of some 28,000 tokens each, one a turn, until its context is compacted;
+    the window after the summary is done."""
+    if CLAUDE_SUMMARIZER in prompt.split("<|im_start|>user")[-1]:
+        return "<analysis>Files shown.</analysis>\n<summary>SUMMARY-b71: the huge files were shown.</summary>"
+    shown = [int(n) for n in HUGE_END.findall(prompt)]
+    if CONTINUED in prompt or (shown and max(shown) >= 5):
+        return "Done."
+    return call("Bash", {"command": f"cat huge{max(shown, default=0) + 1}.txt", "description": "Show"})
+
+
+async def test_claude_code_auto_compacts_with_a_configured_window(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
+                                                                  tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Proactive auto-compaction, live: ``CLAUDE_CODE_AUTO_COMPACT_WINDOW=100000`` (its minimum) and tool
+    results of some 28,000 tokens a turn, so that the usage the gateway reports (the real token counts)
+    crosses Claude Code's threshold within five turns; it compacts and goes on from the summary, one
+    episode."""
+    clis, why = await asyncio.to_thread(installed_clis)
+    if clis is None:
+        pytest.skip(f"the real CLIs are not available: {why}")
+
+    def make(reply: str) -> Any:
+        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+
+    small = ("--tools", "Bash", "--system-prompt", "You are a coding agent. Use your tools to do the task.",
+             "--max-turns", "10")
+    files = " && ".join(f"(seq {k}00000 {k}04000; echo END-OF-HUGE{k}) > huge{k}.txt" for k in range(1, 6))
+    run = "CLAUDE_CODE_AUTO_COMPACT_WINDOW=100000 " + claude_run(clis["claude"], HUGE_TASK, *small)
+    engine = ByPrompt({"done": make("Done.")}, tokenizer, claude_auto_script, make)
+    async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):
+        args = build_parser().parse_args([
+            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--keep", "--timeout-s", "300",
+            "--reward-cmd", "echo 1", "--", "sh", "-c", f"{CLAUDE_HOME} && {files} && {run}"])
+        status = await GroupRun(args, check(args)).run()
+        out = capsys.readouterr().out.strip().splitlines()
+        (attempt,) = [json.loads(line) for line in out[:-1]]
+        logs = Path(json.loads(out[-1])["attempts_dir"])
+        assert status == 0 and attempt["exit_code"] == 0, \
+            (attempt, [p.read_text()[-3000:] for p in logs.rglob("*.log")])
+        store = app.state.services.store
+        turns = await store.session_interactions(session_id=attempt["session_id"])
+        rows = await table.session_threads(store, attempt["session_id"])
+        summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
+        assert len(summarizers) == 1, [t.request["episode"] for t in turns]
+        assert sorted((r.kind, r.edge or "", r.status) for r in rows) == \
+            [("main", "", "root"), ("main", "compacted_from", "confirmed")], rows
+        (window,) = [r for r in rows if r.edge == "compacted_from"]
+        assert window.from_turn == summarizers[0].id
+    shutil.rmtree(logs)
+
+
 # ------------------------------------------------------------------------------------------------- Codex
 
 AGENT_ID = re.compile(r'"agent_id":\s*"([^"]+)"')
