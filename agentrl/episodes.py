@@ -28,16 +28,18 @@ import math
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agentrl.client import AsyncEpisode, AsyncGateway, GatewayUnavailable
 
 log = logging.getLogger(__name__)
 
 EpisodeFn = Callable[[AsyncEpisode, dict[str, Any]], Awaitable[float | None]]
+T = TypeVar("T")
 
 
 class EpisodeFnError(ValueError):
@@ -120,6 +122,45 @@ class EpisodeResults:
         }
 
 
+async def run_groups(items: Iterable[T], reserve: Callable[[T], AbstractAsyncContextManager[Iterable[AsyncEpisode]]],
+                     run: Callable[[T, AsyncEpisode], Awaitable[None]], *, concurrency: int, group_size: int) -> None:
+    """Run a group of episodes per item: ``reserve(item)`` opens the item's group (reserved whole, one
+    admission decision), ``run(item, episode)`` runs each of its episodes. At most ``concurrency``
+    episodes run at once, and only as many groups are open as those slots can run, so the sessions the
+    gateway has admitted track the agents running. The first error ends the run and is raised as itself
+    (``GatewayUnavailable``...), not wrapped in a task group's exception group.
+
+    Serves both runners: :func:`run_episodes` (episode functions) and ``agents.runner.run_agents`` (the
+    example agents)."""
+    slots = asyncio.Semaphore(concurrency)
+    group_slots = asyncio.Semaphore(max(1, math.ceil(concurrency / group_size)))
+
+    async def one(item: T, episode: AsyncEpisode) -> None:
+        async with slots:
+            await run(item, episode)
+
+    async def group(item: T) -> None:
+        async with group_slots:
+            async with reserve(item) as episodes:
+                async with asyncio.TaskGroup() as each:
+                    for episode in episodes:
+                        each.create_task(one(item, episode))
+
+    try:
+        async with asyncio.TaskGroup() as all_groups:
+            for item in items:
+                all_groups.create_task(group(item))
+    except BaseExceptionGroup as eg:
+        raise first_error(eg) from None
+
+
+def first_error(error: BaseException) -> BaseException:
+    """The first exception inside (nested) exception groups."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 async def run_episodes(fn: EpisodeFn, tasks: Sequence[dict[str, Any]], *, gateway: str, key: str,
                        group_size: int, eval: bool = False, temperature: float = 1.0, concurrency: int = 8,
                        metadata: dict[str, Any] | None = None, progress: bool = False) -> dict[str, Any]:
@@ -131,51 +172,36 @@ async def run_episodes(fn: EpisodeFn, tasks: Sequence[dict[str, Any]], *, gatewa
     bar = tqdm(total=len(tasks) * group_size, desc="eval" if eval else "train", unit="episode",
                disable=not progress, dynamic_ncols=True)
     started = time.monotonic()
-    slots = asyncio.Semaphore(concurrency)
-    # only as many groups are open as the slots can run, so admitted sessions track running agents
-    group_slots = asyncio.Semaphore(max(1, math.ceil(concurrency / group_size)))
 
     async with AsyncGateway(gateway, key) as gw:
-        async def one(episode: AsyncEpisode, task: dict[str, Any]) -> None:
-            async with slots:
-                episode.eval, episode.temperature = eval, temperature
-                try:
-                    async with episode:  # finished on return, abandoned on an exception
-                        reward = await fn(episode, task)
-                        if reward is not None:
-                            await episode.reward(float(reward))
-                except GatewayUnavailable:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - the agent's own failure: counted, run goes on
-                    log.warning("episode of task %s failed (session %s abandoned): %r", task["id"],
-                                episode.session_id, exc)
-                    results.failed += 1
-                    bar.update(1)
-                    return
-                if not episode.rewards:
-                    results.unrewarded += 1
-                    log.warning("episode of task %s returned no reward and posted none", task["id"])
-                results.add(task["id"], episode.rewards[-1][1] if episode.rewards else 0.0)
+        async def one(task: dict[str, Any], episode: AsyncEpisode) -> None:
+            episode.eval, episode.temperature = eval, temperature
+            try:
+                async with episode:  # finished on return, abandoned on an exception
+                    reward = await fn(episode, task)
+                    if reward is not None:
+                        await episode.reward(float(reward))
+            except GatewayUnavailable:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the agent's own failure: counted, run goes on
+                log.warning("episode of task %s failed (session %s abandoned): %r", task["id"],
+                            episode.session_id, exc)
+                results.failed += 1
                 bar.update(1)
-                bar.set_postfix(results.postfix(), refresh=False)
+                return
+            if not episode.rewards:
+                results.unrewarded += 1
+                log.warning("episode of task %s returned no reward and posted none", task["id"])
+            results.add(task["id"], episode.rewards[-1][1] if episode.rewards else 0.0)
+            bar.update(1)
+            bar.set_postfix(results.postfix(), refresh=False)
 
-        async def group(task: dict[str, Any]) -> None:
-            async with group_slots:
-                async with gw.group(task["id"], size=group_size, eval=eval,
-                                    metadata={**(metadata or {}), "eval": eval}) as reserved:
-                    async with asyncio.TaskGroup() as tasks_:
-                        for episode in reserved:
-                            tasks_.create_task(one(episode, task))
+        def reserve(task: dict[str, Any]) -> AbstractAsyncContextManager[Iterable[AsyncEpisode]]:
+            # finished (or, on an error, abandoned) at the end of the group's block
+            return gw.group(task["id"], size=group_size, eval=eval, metadata={**(metadata or {}), "eval": eval})
 
         try:
-            async with asyncio.TaskGroup() as all_groups:
-                for task in tasks:
-                    all_groups.create_task(group(task))
-        except BaseExceptionGroup as eg:
-            error: BaseException = eg
-            while isinstance(error, BaseExceptionGroup):
-                error = error.exceptions[0]
-            raise error from None
+            await run_groups(tasks, reserve, one, concurrency=concurrency, group_size=group_size)
         finally:
             bar.close()
         return results.summary(elapsed_s=time.monotonic() - started, backoffs_429=gw.counters.backoffs_429,

@@ -20,19 +20,19 @@ session is abandoned (never trained on; its place in the staleness budget is fre
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 import httpx2
 from tqdm import tqdm
 
-from agentrl.client import AsyncEpisode, AsyncGateway, GatewayError, GatewayUnavailable
+from agentrl.client import AsyncEpisode, AsyncGateway, AsyncGroup, GatewayError, GatewayUnavailable
+from agentrl.episodes import run_groups
 
 from agents.datasets import Sample, load_dataset
 from agents.episode import Episode
@@ -122,68 +122,59 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
                            admission_wait_s=settings.admission_wait_s, sdk_http=sdk_http)
     bar = tqdm(total=len(samples) * settings.group_size, desc="eval" if settings.eval else settings.agent,
                unit="episode", disable=not settings.progress, dynamic_ncols=True)
-    agent_slots = asyncio.Semaphore(settings.concurrency)
-    # A group is reserved whole (one admission decision), and only as many groups are open as the agent
-    # slots can run, so open sessions track running agents.
-    group_slots = asyncio.Semaphore(max(1, math.ceil(settings.concurrency / settings.group_size)))
     run_tag = uuid.uuid4().hex[:8]
 
     async def run_episode(sample: Sample, session: AsyncEpisode) -> None:
-        async with agent_slots:
-            client = session.async_openai(max_retries=5, timeout=settings.request_timeout_s)
+        client = session.async_openai(max_retries=5, timeout=settings.request_timeout_s)
 
-            async def score(completion: str, reference: str) -> float:
-                return await pool.score(reward_fn, completion, reference)
+        async def score(completion: str, reference: str) -> float:
+            return await pool.score(reward_fn, completion, reference)
 
-            async def post(response_id: str, reward: float) -> None:
-                await session.reward(reward, response_id=response_id)
+        async def post(response_id: str, reward: float) -> None:
+            await session.reward(reward, response_id=response_id)
 
-            episode: Episode | None = None
-            try:
-                common = dict(model=settings.model or session.model, max_turns=settings.max_turns,
-                              temperature=settings.temperature, max_tokens=settings.max_tokens,
-                              score=score, rewards=post)
-                if settings.agent == "math":
-                    episode = await run_math_agent(client, sample, **common)
-                else:
-                    episode = await run_tool_agent(client, sample, tools=tools, **common)
-            except GatewayUnavailable:
-                raise  # ends the run; abandoning would only wait for the same dead gateway
-            except Exception as exc:  # noqa: BLE001 - the episode's own failure: counted, run goes on
-                log.warning("episode of %s failed (session %s abandoned): %r", sample.id, session.session_id, exc)
-            # as agentrl.client's `async with episode`: finished on success, abandoned on a failure (a
-            # failed episode is never trained on, and its place in the budget is freed at once)
-            try:
-                await (session.finish() if episode is not None else session.abandon())
-            except GatewayUnavailable:
-                raise
-            except GatewayError as exc:
-                log.warning("could not %s session %s: %s", "finish" if episode else "abandon",
-                            session.session_id, exc)
-            if episode is None:
-                tally.failed += 1
+        episode: Episode | None = None
+        try:
+            common = dict(model=settings.model or session.model, max_turns=settings.max_turns,
+                          temperature=settings.temperature, max_tokens=settings.max_tokens,
+                          score=score, rewards=post)
+            if settings.agent == "math":
+                episode = await run_math_agent(client, sample, **common)
             else:
-                tally.episodes.append(episode)
-            if on_episode is not None:
-                on_episode(EpisodeRecord(sample, session.session_id, session.group_id, episode))
-            bar.update(1)
-            bar.set_postfix(tally.postfix(counters.update(gateway)), refresh=False)
+                episode = await run_tool_agent(client, sample, tools=tools, **common)
+        except GatewayUnavailable:
+            raise  # ends the run; abandoning would only wait for the same dead gateway
+        except Exception as exc:  # noqa: BLE001 - the episode's own failure: counted, run goes on
+            log.warning("episode of %s failed (session %s abandoned): %r", sample.id, session.session_id, exc)
+        # as agentrl.client's `async with episode`: finished on success, abandoned on a failure (a
+        # failed episode is never trained on, and its place in the budget is freed at once)
+        try:
+            await (session.finish() if episode is not None else session.abandon())
+        except GatewayUnavailable:
+            raise
+        except GatewayError as exc:
+            log.warning("could not %s session %s: %s", "finish" if episode else "abandon",
+                        session.session_id, exc)
+        if episode is None:
+            tally.failed += 1
+        else:
+            tally.episodes.append(episode)
+        if on_episode is not None:
+            on_episode(EpisodeRecord(sample, session.session_id, session.group_id, episode))
+        bar.update(1)
+        bar.set_postfix(tally.postfix(counters.update(gateway)), refresh=False)
 
-    async def run_group(sample: Sample) -> None:
-        async with group_slots:
-            metadata = {"agent": settings.agent, "dataset": settings.dataset}
-            group = await gateway.group(sample.id, settings.group_size, group_id=f"{sample.id}-{run_tag}",
-                                        metadata=metadata, eval=settings.eval)
-            async with asyncio.TaskGroup() as tasks:
-                for session in group:
-                    tasks.create_task(run_episode(sample, session))
+    @asynccontextmanager
+    async def reserve(sample: Sample) -> AsyncIterator[AsyncGroup]:
+        # reserved, not managed: run_episode ends each session itself (a group left by an error is not
+        # abandoned here: with the gateway down that would only wait for it again)
+        metadata = {"agent": settings.agent, "dataset": settings.dataset}
+        yield await gateway.group(sample.id, settings.group_size, group_id=f"{sample.id}-{run_tag}",
+                                  metadata=metadata, eval=settings.eval)
 
-    try:
-        async with asyncio.TaskGroup() as all_groups:
-            for sample in samples:
-                all_groups.create_task(run_group(sample))
-    except BaseExceptionGroup as eg:
-        raise _first_error(eg) from None  # callers get GatewayUnavailable etc., not a task-group wrapper
+    try:  # callers get GatewayUnavailable etc., not a task-group wrapper
+        await run_groups(samples, reserve, run_episode, concurrency=settings.concurrency,
+                         group_size=settings.group_size)
     finally:
         bar.close()
         if reward_pool is None:
@@ -195,12 +186,6 @@ async def run_agents(settings: RunnerSettings, *, samples: Sequence[Sample] | No
     reward_stats = {k: v - getattr(stats_before, k) for k, v in pool.stats.as_dict().items()}
     summary = summarize(settings, tally, counters, reward_stats, time.monotonic() - started, prompts=len(samples))
     return summary
-
-
-def _first_error(error: BaseException) -> BaseException:
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
 
 
 def summarize(settings: RunnerSettings, tally: Tally, counters: Counters, reward_stats: dict[str, int],
