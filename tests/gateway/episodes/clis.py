@@ -208,3 +208,38 @@ def codex_command(codex: str, prompt: str = CODEX_PROMPT, extra: str = "",
     return ["sh", "-c", f'mkdir -p {home}/.codex && printf "{config}" > {home}/.codex/config.toml && '
                         f'{env} HOME={home} CODEX_HOME={home}/.codex TERM=dumb {run} -C "$AGENTRL_WORKDIR" '
                         f'{shlex.quote(prompt)}']
+
+
+async def run_group(base: str, out: Any, size: int, reward_cmd: str, command: list[str], *,
+                    timeout_s: int = 180) -> tuple[int, list[dict[str, Any]], dict[str, Any]]:
+    """``agentrl group`` over ``command`` against the gateway at ``base``, one attempt at a time: its exit status,
+    one line a finished attempt and the closing summary (read from pytest's ``capsys``, given as ``out``)."""
+    from agentrl.cli import build_parser
+    from agentrl.group import GroupRun, check
+
+    args = build_parser().parse_args([
+        "group", "--gateway", base, "--admin-key", ADMIN, "--size", str(size), "--parallel", "1", "--keep",
+        "--timeout-s", str(timeout_s), "--reward-cmd", reward_cmd, "--", *command])
+    status = await GroupRun(args, check(args)).run()
+    lines = out.readouterr().out.strip().splitlines()
+    return status, [json.loads(line) for line in lines[:-1]], json.loads(lines[-1])
+
+
+def attempt_logs(summary: dict[str, Any]) -> list[str]:
+    """The end of every log of a group's attempts (for an assertion's message)."""
+    return [p.read_text()[-3000:] for p in Path(summary["attempts_dir"]).rglob("*.log")]
+
+
+async def assert_one_compaction(store: Any, session_id: str) -> None:
+    """One episode across one compaction: a single summarizer turn, and the window after the summary
+    ``compacted_from`` the first one, confirmed, starting from that summarizer's turn."""
+    from gateway.episodes import table
+
+    turns = await store.session_interactions(session_id=session_id)
+    rows = await table.session_threads(store, session_id)
+    summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
+    assert len(summarizers) == 1, [t.request["episode"] for t in turns]
+    assert sorted((r.kind, r.edge or "", r.status) for r in rows) == \
+        [("main", "", "root"), ("main", "compacted_from", "confirmed")], rows
+    (window,) = [r for r in rows if r.edge == "compacted_from"]
+    assert window.from_turn == summarizers[0].id

@@ -13,7 +13,6 @@ cannot install the CLIs.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import shutil
 from pathlib import Path
@@ -22,14 +21,12 @@ from typing import Any
 import httpx
 import pytest
 
-from agentrl.cli import build_parser
-from agentrl.group import GroupRun, check
 from agentrl.trajectory import decode_batch
 from gateway.episodes import table
 from gateway.episodes.compaction import TRIGGER_PROMPT
-from tests.gateway.episodes.clis import (CLAUDE_HOME, CODEX_PROMPT, CONTEXT, OPENAI_ENV, OPENAI_PROVIDER, TASK,
-                                         ByPrompt, call, claude_command, claude_run, codex_command, installed_clis,
-                                         served)
+from tests.gateway.episodes.clis import (CLAUDE_HOME, CONTEXT, OPENAI_ENV, OPENAI_PROVIDER, TASK,
+                                         ByPrompt, assert_one_compaction, attempt_logs, call, claude_command,
+                                         claude_run, codex_command, installed_clis, run_group, served)
 from tests.gateway.episodes.conftest import ADMIN, tokenizer  # noqa: F401 (fixture)
 from tests.standin import build_app
 
@@ -41,14 +38,8 @@ async def test_claude_code_with_a_sub_agent_four_attempts_as_a_group(tiny_model_
     if clis is None:
         pytest.skip(f"the real CLIs are not available: {why}")
     async with served(tiny_model_dir, tokenizer, tmp_path) as (base, app, engine):
-        args = build_parser().parse_args([
-            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "4", "--parallel", "1", "--keep",
-            "--timeout-s", "180", "--reward-cmd", "grep -qx hi hello.txt && echo 1 || echo 0", "--",
-            *claude_command(clis["claude"])])
-        status = await GroupRun(args, check(args)).run()
-        out = capsys.readouterr().out.strip().splitlines()
-        attempts = [json.loads(line) for line in out[:-1]]
-        summary = json.loads(out[-1])
+        status, attempts, summary = await run_group(base, capsys, 4, "grep -qx hi hello.txt && echo 1 || echo 0",
+                                                    claude_command(clis["claude"]))
         logs = Path(summary["attempts_dir"])
         assert status == 0, [(a, (logs / f"attempt-{a['index']}.log").read_text()[-2000:]) for a in attempts]
         assert [a["exit_code"] for a in attempts] == [0, 0, 0, 0]
@@ -110,25 +101,11 @@ async def test_claude_code_compacts_by_command_and_stays_one_episode(tiny_model_
     command = ["sh", "-c", f"{CLAUDE_HOME} && SID=$(cat /proc/sys/kernel/random/uuid) && " + " && ".join(runs)]
     engine = ByPrompt({"done": make("Done.")}, tokenizer, claude_compact_script, make)
     async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):
-        args = build_parser().parse_args([
-            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--keep", "--timeout-s", "180",
-            "--reward-cmd", "test -f first.txt && test -f second.txt && echo 1 || echo 0", "--", *command])
-        status = await GroupRun(args, check(args)).run()
-        out = capsys.readouterr().out.strip().splitlines()
-        (attempt,) = [json.loads(line) for line in out[:-1]]
-        logs = Path(json.loads(out[-1])["attempts_dir"])
-        assert status == 0 and attempt["reward"] == 1.0, \
-            (attempt, [p.read_text()[-3000:] for p in logs.rglob("*.log")])
-        store = app.state.services.store
-        turns = await store.session_interactions(session_id=attempt["session_id"])
-        rows = await table.session_threads(store, attempt["session_id"])
-        summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
-        assert len(summarizers) == 1, [t.request["episode"] for t in turns]
-        assert sorted((r.kind, r.edge or "", r.status) for r in rows) == \
-            [("main", "", "root"), ("main", "compacted_from", "confirmed")], rows
-        (window,) = [r for r in rows if r.edge == "compacted_from"]
-        assert window.from_turn == summarizers[0].id
-    shutil.rmtree(logs)
+        status, (attempt,), summary = await run_group(
+            base, capsys, 1, "test -f first.txt && test -f second.txt && echo 1 || echo 0", command)
+        assert status == 0 and attempt["reward"] == 1.0, (attempt, attempt_logs(summary))
+        await assert_one_compaction(app.state.services.store, attempt["session_id"])
+    shutil.rmtree(summary["attempts_dir"])
 
 
 CONTINUED = "This session is being continued from a previous conversation"
@@ -165,35 +142,25 @@ async def test_claude_code_compacts_on_prompt_too_long(tiny_model_dir: Path, tok
     run = claude_run(clis["claude"], BIG_TASK, *small, "--max-turns", "8")  # a wrong answer cannot loop for ever
     command = ["sh", "-c", f"{CLAUDE_HOME} && {files} && {run}"]
 
-    async def attempt(where: Path, context: int) -> tuple[dict[str, Any], Any]:
+    async def attempt(where: Path, context: int) -> list[int]:
         where.mkdir()
         engine = ByPrompt({"done": make("Done.")}, tokenizer, claude_reactive_script, make)
         async with served(tiny_model_dir, tokenizer, where, engine, context=context) as (base, app, _):
-            args = build_parser().parse_args([
-                "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--keep", "--timeout-s", "180",
-                "--reward-cmd", "echo 1", "--", *command])
-            status = await GroupRun(args, check(args)).run()
-            out = capsys.readouterr().out.strip().splitlines()
-            (got,) = [json.loads(line) for line in out[:-1]]
-            logs = Path(json.loads(out[-1])["attempts_dir"])
-            assert status == 0 and got["exit_code"] == 0, (got, [p.read_text()[-3000:] for p in logs.rglob("*.log")])
-            shutil.rmtree(logs)
+            status, (got,), summary = await run_group(base, capsys, 1, "echo 1", command)
+            assert status == 0 and got["exit_code"] == 0, (got, attempt_logs(summary))
+            shutil.rmtree(summary["attempts_dir"])
             store = app.state.services.store
             turns = sorted(await store.session_interactions(session_id=got["session_id"]), key=lambda t: t.created_at)
             sizes = [len(await store.full_sequence(interaction_id=t.id)) - len(t.output_ids) for t in turns]
-            return got, (turns, sizes, await table.session_threads(store, got["session_id"]))
+            if context < CONTEXT:
+                await assert_one_compaction(store, got["session_id"])
+            return sizes
 
-    _, (turns, sizes, _) = await attempt(tmp_path / "probe", CONTEXT)
+    sizes = await attempt(tmp_path / "probe", CONTEXT)
     assert len(sizes) == 3 and sizes[2] - sizes[1] > 2000, sizes  # the task's three requests; big2's output
     context = sizes[2] - 100
-    _, (turns, sizes, rows) = await attempt(tmp_path / "tight", context)
+    sizes = await attempt(tmp_path / "tight", context)
     assert max(sizes) < context  # the refused request is not recorded; the summarizer's and the next fit
-    summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
-    assert len(summarizers) == 1, [t.request["episode"] for t in turns]
-    assert sorted((r.kind, r.edge or "", r.status) for r in rows) == \
-        [("main", "", "root"), ("main", "compacted_from", "confirmed")], rows
-    (window,) = [r for r in rows if r.edge == "compacted_from"]
-    assert window.from_turn == summarizers[0].id
 
 
 HUGE_TASK = "HUGE-TASK-b71: show huge1.txt, huge2.txt, ... one a turn, until told to stop."
@@ -231,25 +198,11 @@ async def test_claude_code_auto_compacts_with_a_configured_window(tiny_model_dir
     run = "CLAUDE_CODE_AUTO_COMPACT_WINDOW=100000 " + claude_run(clis["claude"], HUGE_TASK, *small)
     engine = ByPrompt({"done": make("Done.")}, tokenizer, claude_auto_script, make)
     async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):
-        args = build_parser().parse_args([
-            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--keep", "--timeout-s", "300",
-            "--reward-cmd", "echo 1", "--", "sh", "-c", f"{CLAUDE_HOME} && {files} && {run}"])
-        status = await GroupRun(args, check(args)).run()
-        out = capsys.readouterr().out.strip().splitlines()
-        (attempt,) = [json.loads(line) for line in out[:-1]]
-        logs = Path(json.loads(out[-1])["attempts_dir"])
-        assert status == 0 and attempt["exit_code"] == 0, \
-            (attempt, [p.read_text()[-3000:] for p in logs.rglob("*.log")])
-        store = app.state.services.store
-        turns = await store.session_interactions(session_id=attempt["session_id"])
-        rows = await table.session_threads(store, attempt["session_id"])
-        summarizers = [t for t in turns if t.request["episode"]["role"] == "summarizer"]
-        assert len(summarizers) == 1, [t.request["episode"] for t in turns]
-        assert sorted((r.kind, r.edge or "", r.status) for r in rows) == \
-            [("main", "", "root"), ("main", "compacted_from", "confirmed")], rows
-        (window,) = [r for r in rows if r.edge == "compacted_from"]
-        assert window.from_turn == summarizers[0].id
-    shutil.rmtree(logs)
+        status, (attempt,), summary = await run_group(
+            base, capsys, 1, "echo 1", ["sh", "-c", f"{CLAUDE_HOME} && {files} && {run}"], timeout_s=300)
+        assert status == 0 and attempt["exit_code"] == 0, (attempt, attempt_logs(summary))
+        await assert_one_compaction(app.state.services.store, attempt["session_id"])
+    shutil.rmtree(summary["attempts_dir"])
 
 
 # ------------------------------------------------------------------------------------------------- Codex
@@ -282,14 +235,8 @@ async def test_codex_with_a_spawned_agent_four_attempts_as_a_group(tiny_model_di
 
     engine = ByPrompt({"done": make("Done.")}, tokenizer, codex_script, make)
     async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):
-        args = build_parser().parse_args([
-            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "4", "--parallel", "1", "--keep",
-            "--timeout-s", "180", "--reward-cmd", "grep -qx hi hello.txt && echo 1 || echo 0", "--",
-            *codex_command(clis["codex"])])
-        status = await GroupRun(args, check(args)).run()
-        out = capsys.readouterr().out.strip().splitlines()
-        attempts = [json.loads(line) for line in out[:-1]]
-        summary = json.loads(out[-1])
+        status, attempts, summary = await run_group(base, capsys, 4, "grep -qx hi hello.txt && echo 1 || echo 0",
+                                                    codex_command(clis["codex"]))
         logs = Path(summary["attempts_dir"])
         assert status == 0 and [a["exit_code"] for a in attempts] == [0, 0, 0, 0], \
             [(a, (logs / f"attempt-{a['index']}" / f"attempt-{a['index']}.log").read_text()[-3000:]) for a in attempts]
@@ -347,11 +294,11 @@ async def test_codex_compacts_mid_task_and_stays_one_episode(compaction: str, ti
             extra = f"model_auto_compact_token_limit = {limit}\\n" if limit else ""
             command = codex_command(clis["codex"], STEPS_PROMPT, extra) if compaction == "local" else \
                 codex_command(clis["codex"], STEPS_PROMPT, extra, provider=OPENAI_PROVIDER, env=OPENAI_ENV)
-            args = build_parser().parse_args([
-                "group", "--gateway", base, "--admin-key", ADMIN, "--size", "1", "--timeout-s", "180",
-                "--reward-cmd", "test -f step3.txt && echo 1 || echo 0", "--", *command])
-            assert await GroupRun(args, check(args)).run() == 0
-            return [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[:-1]]
+            status, attempts, summary = await run_group(base, capsys, 1, "test -f step3.txt && echo 1 || echo 0",
+                                                        command)
+            assert status == 0, (attempts, attempt_logs(summary))
+            shutil.rmtree(summary["attempts_dir"])
+            return attempts
 
         (probe,) = await group(None)
         first = min(await store.session_interactions(session_id=probe["session_id"]), key=lambda t: t.created_at)

@@ -17,7 +17,6 @@ requests, headers and linking are still the CLI's own.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import shutil
 from pathlib import Path
@@ -28,12 +27,10 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.cli import build_parser
-from agentrl.group import GroupRun, check
 from agentrl.settings import load
 from agentrl.trajectory import decode_batch, export_session, turn_from_interaction
 from gateway.episodes import table
-from tests.gateway.episodes.clis import claude_command, installed_clis, served
+from tests.gateway.episodes.clis import claude_command, installed_clis, run_group, served
 from tests.gateway.episodes.conftest import ADMIN, AGENT
 from tests.gateway.episodes.replay import Replayer, scripted_replies
 from tests.gateway.episodes.replay import load as load_capture
@@ -88,14 +85,9 @@ async def test_one_step_over_a_real_claude_code_group(tiny_model_dir: Path, toke
     if clis is None:
         pytest.skip(f"the real CLIs are not available: {why}")
     async with served(tiny_model_dir, tokenizer, tmp_path) as (base, app, _):
-        args = build_parser().parse_args([
-            "group", "--gateway", base, "--admin-key", ADMIN, "--size", "2", "--parallel", "1", "--keep",
-            "--timeout-s", "180", "--reward-cmd", "grep -qx hi hello.txt && echo 1 || echo 0", "--",
-            *claude_command(clis["claude"], *SMALL)])
-        status = await GroupRun(args, check(args)).run()
-        out = capsys.readouterr().out.strip().splitlines()
-        attempts = [json.loads(line) for line in out[:-1]]
-        logs = Path(json.loads(out[-1])["attempts_dir"])
+        status, attempts, summary = await run_group(base, capsys, 2, "grep -qx hi hello.txt && echo 1 || echo 0",
+                                                    claude_command(clis["claude"], *SMALL))
+        logs = Path(summary["attempts_dir"])
         assert status == 0, [(a, (logs / f"attempt-{a['index']}.log").read_text()[-2000:]) for a in attempts]
         rewards = {a["session_id"]: a["reward"] for a in attempts}
         assert sorted(rewards.values()) == [0.0, 1.0]  # the sub-agent wrote hi once, bye once
