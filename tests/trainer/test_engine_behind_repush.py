@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
 from agentrl.procs import Processes
 from tests.conftest import free_port
 from tests.trainer.conftest import engine_version
-from tests.trainer.test_outage_wait import HANG_GUARD_S, start_gateway, start_trainer, wait_log
+from tests.trainer.test_outage_wait import HANG_GUARD_S, checkpoint_at, start_gateway, start_trainer, wait_log
 
 
 def wait_version(url: str, version: int, trainer) -> None:
@@ -32,12 +31,7 @@ def wait_version(url: str, version: int, trainer) -> None:
 
 def test_a_waiting_trainer_pushes_again_to_an_engine_that_went_back(
         tmp_path: Path, trainer_engine: str, tiny_model_dir: Path, dist_info) -> None:
-    from trainer import checkpoint
-    from trainer.model import load_model
-
-    model = load_model(tiny_model_dir, dtype="float32", device=torch.device("cpu"))
-    checkpoint.save(tmp_path / "ckpt", checkpoint.TrainerState(step=2, version=2), model, None, dist_info,
-                    source_dir=tiny_model_dir)
+    checkpoint_at(tmp_path / "ckpt", 2, tiny_model_dir, dist_info)
     port = free_port()
     with Processes(tmp_path / "logs") as procs:
         start_gateway(procs, port, f"sqlite+aiosqlite:///{tmp_path}/gw.db", trainer_engine)

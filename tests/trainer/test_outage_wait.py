@@ -101,15 +101,21 @@ def test_the_trainer_gives_up_after_its_outage_limit_with_a_clear_message(tmp_pa
         assert "gave up after" in log and "--outage-give-up-s 0" in log, log[-3000:]
 
 
-def test_a_resume_from_an_older_checkpoint_continues_above_the_served_version(
-        tmp_path: Path, trainer_engine: str, tiny_model_dir: Path, dist_info) -> None:
+def checkpoint_at(path: Path, version: int, tiny_model_dir: Path, dist_info) -> Path:
+    """A trainer checkpoint of the tiny model's weights at step and version ``version``."""
     from trainer import checkpoint
     from trainer.model import load_model
 
-    # a checkpoint at version 2 (the trainer had reached 7 and was killed before saving again)
     model = load_model(tiny_model_dir, dtype="float32", device=torch.device("cpu"))
-    checkpoint.save(tmp_path / "ckpt", checkpoint.TrainerState(step=2, version=2), model, None, dist_info,
+    checkpoint.save(path, checkpoint.TrainerState(step=version, version=version), model, None, dist_info,
                     source_dir=tiny_model_dir)
+    return path
+
+
+def test_a_resume_from_an_older_checkpoint_continues_above_the_served_version(
+        tmp_path: Path, trainer_engine: str, tiny_model_dir: Path, dist_info) -> None:
+    # a checkpoint at version 2 (the trainer had reached 7 and was killed before saving again)
+    checkpoint_at(tmp_path / "ckpt", 2, tiny_model_dir, dist_info)
     port = free_port()
     db = f"sqlite+aiosqlite:///{tmp_path}/gw.db"
     with Processes(tmp_path / "logs") as procs:
