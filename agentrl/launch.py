@@ -45,6 +45,20 @@ class EngineUnavailable(RuntimeError):
     """The engine asked for is not installed here; the message says how to get it."""
 
 
+def check_engine_choice(engine: str, engine_url: str, device: str) -> None:
+    """What ``up`` and ``serve`` refuse before anything starts (SettingsError): an engine to start beside a
+    running one to use, or an engine that is not installed here."""
+    from agentrl.settings import SettingsError
+
+    if engine != "embedded" and engine_url:
+        raise SettingsError(f"--engine {engine} starts an engine and --engine-url uses a running one: give one of them")
+    if engine != "embedded":
+        try:
+            engine_python(engine, device)
+        except EngineUnavailable as exc:
+            raise SettingsError(str(exc)) from exc
+
+
 # ------------------------------------------------------------------------------------------- vLLM's Python
 
 

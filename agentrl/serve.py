@@ -20,7 +20,7 @@ from agentrl import defaults
 from agentrl.command import add_command, run_command
 from agentrl.keys import new_key
 from agentrl.settings import SettingsError
-from agentrl.launch import EngineUnavailable, engine_python, start_engine_for
+from agentrl.launch import check_engine_choice, start_engine_for
 from agentrl.stack import gateway_argv, remove_sync_copies, start_gateway, trainer_argv
 
 
@@ -54,13 +54,7 @@ class ServeSettings:
     device: str = field(default="cpu", metadata={"help": "device of the embedded engine and trainer", "choices": ("cpu", "cuda")})
 
     def validate(self) -> None:
-        if self.engine != "embedded" and self.engine_url:
-            raise SettingsError(f"--engine {self.engine} starts an engine and --engine-url uses a running one: give one of them")
-        if self.engine != "embedded":
-            try:
-                engine_python(self.engine, self.device)
-            except EngineUnavailable as exc:  # refused before anything starts
-                raise SettingsError(str(exc)) from exc
+        check_engine_choice(self.engine, self.engine_url, self.device)
         if self.group_size < 2:
             raise SettingsError("--group-size must be at least 2: GRPO compares sessions within a group")
         if not 0 < self.port < 65536:

@@ -28,7 +28,7 @@ import httpx
 from agentrl import defaults
 from agentrl.command import add_command, run_command
 from agentrl.keys import new_key
-from agentrl.launch import EngineUnavailable, engine_python, start_engine_for
+from agentrl.launch import check_engine_choice, start_engine_for
 from agentrl.settings import SettingsError
 from agentrl.stack import gateway_argv, remove_sync_copies, start_gateway, trainer_argv
 from agentrl.stats import wilson_interval
@@ -88,13 +88,7 @@ class UpSettings:
         return ":" in self.agent
 
     def validate(self) -> None:
-        if self.engine != "embedded" and self.engine_url:
-            raise SettingsError(f"--engine {self.engine} starts an engine and --engine-url uses a running one: give one of them")
-        if self.engine != "embedded":
-            try:
-                engine_python(self.engine, self.device)
-            except EngineUnavailable as exc:  # refused before anything starts
-                raise SettingsError(str(exc)) from exc
+        check_engine_choice(self.engine, self.engine_url, self.device)
         if self.lora_rank < 0:
             raise SettingsError("--lora-rank must be 0 (full fine-tuning) or a positive rank, e.g. 16")
         if self.lora_rank and (self.engine != "embedded" or self.engine_url):
