@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 
 from gateway.app import create_app
@@ -243,3 +244,19 @@ async def assert_one_compaction(store: Any, session_id: str) -> None:
         [("main", "", "root"), ("main", "compacted_from", "confirmed")], rows
     (window,) = [r for r in rows if r.edge == "compacted_from"]
     assert window.from_turn == summarizers[0].id
+
+
+async def clis_or_skip() -> dict[str, str]:
+    """The installed CLIs' paths (``claude``, ``codex``); the test is skipped, saying why, where npm could not
+    install them."""
+    clis, why = await asyncio.to_thread(installed_clis)
+    if clis is None:
+        pytest.skip(f"the real CLIs are not available: {why}")
+    return clis
+
+
+def standin_of(tiny_model_dir: Path, tok: Any) -> Callable[[str], Any]:
+    """Makes a stand-in engine that always answers ``reply`` (the scripted replies of ``ByPrompt``)."""
+    def make(reply: str) -> Any:
+        return build_app(str(tiny_model_dir), [reply], tokenizer=tok, context_length=CONTEXT)
+    return make

@@ -19,7 +19,6 @@ around the gateway noting every HTTP request and WebSocket handshake it got; the
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -30,10 +29,9 @@ import websockets
 
 from agentrl.cli import build_parser
 from agentrl.group import GroupRun, check
-from tests.gateway.episodes.clis import (CONTEXT, GATEWAY_PROVIDER, OPENAI_ENV, OPENAI_PROVIDER, ByPrompt, call,
-                                         codex_command, installed_clis, served)
+from tests.gateway.episodes.clis import (GATEWAY_PROVIDER, OPENAI_ENV, OPENAI_PROVIDER, ByPrompt, call, clis_or_skip,
+                                         codex_command, served, standin_of)
 from tests.gateway.episodes.conftest import ADMIN
-from tests.standin import build_app
 
 PROMPT = "Create a file named hello.txt in the current directory containing exactly the word hi, then reply done."
 PROVIDERS = {
@@ -81,12 +79,8 @@ def script(prompt: str) -> str:
 @pytest.mark.parametrize("provider", list(PROVIDERS))
 async def test_codex_transport_against_the_gateway(provider: str, tiny_model_dir: Path, tokenizer: Any,
                                                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    clis, why = await asyncio.to_thread(installed_clis)
-    if clis is None:
-        pytest.skip(f"the real CLIs are not available: {why}")
-
-    def make(reply: str) -> Any:
-        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+    clis = await clis_or_skip()
+    make = standin_of(tiny_model_dir, tokenizer)
 
     watch: list[Watch] = []
 

@@ -12,7 +12,6 @@ cannot install the CLIs.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import shutil
 from pathlib import Path
@@ -26,17 +25,14 @@ from gateway.episodes import table
 from gateway.episodes.compaction import TRIGGER_PROMPT
 from tests.gateway.episodes.clis import (CLAUDE_HOME, CONTEXT, OPENAI_ENV, OPENAI_PROVIDER, TASK,
                                          ByPrompt, assert_one_compaction, attempt_logs, call, claude_command,
-                                         claude_run, codex_command, installed_clis, run_group, served)
+                                         claude_run, clis_or_skip, codex_command, run_group, served, standin_of)
 from tests.gateway.episodes.conftest import ADMIN, tokenizer  # noqa: F401 (fixture)
-from tests.standin import build_app
 
 
 async def test_claude_code_with_a_sub_agent_four_attempts_as_a_group(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
                                                                      tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    clis, why = await asyncio.to_thread(installed_clis)
-    if clis is None:
-        pytest.skip(f"the real CLIs are not available: {why}")
+    clis = await clis_or_skip()
     async with served(tiny_model_dir, tokenizer, tmp_path) as (base, app, engine):
         status, attempts, summary = await run_group(base, capsys, 4, "grep -qx hi hello.txt && echo 1 || echo 0",
                                                     claude_command(clis["claude"]))
@@ -87,12 +83,8 @@ async def test_claude_code_compacts_by_command_and_stays_one_episode(tiny_model_
     task, ``/compact`` (Claude's summarizer request), and a second task, whose first request starts from the
     summary ("This session is being continued ..."). The gateway records them as one episode: the second
     window a segment ``compacted_from`` the first, confirmed, from the summarizer's turn."""
-    clis, why = await asyncio.to_thread(installed_clis)
-    if clis is None:
-        pytest.skip(f"the real CLIs are not available: {why}")
-
-    def make(reply: str) -> Any:
-        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+    clis = await clis_or_skip()
+    make = standin_of(tiny_model_dir, tokenizer)
 
     small = ("--tools", "Bash", "--system-prompt", "You are a coding agent. Use your tools to do the task.")
     runs = [claude_run(clis["claude"], FIRST, *small) + ' --session-id "$SID"',
@@ -130,12 +122,8 @@ async def test_claude_code_compacts_on_prompt_too_long(tiny_model_dir: Path, tok
     so that request is refused with Anthropic's "prompt is too long", Claude Code compacts (its summarizer
     request: the history less the last round, under the context) and sends again from the summary. One
     episode: the window after the summary ``compacted_from`` the first, confirmed."""
-    clis, why = await asyncio.to_thread(installed_clis)
-    if clis is None:
-        pytest.skip(f"the real CLIs are not available: {why}")
-
-    def make(reply: str) -> Any:
-        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+    clis = await clis_or_skip()
+    make = standin_of(tiny_model_dir, tokenizer)
 
     small = ("--tools", "Bash", "--system-prompt", "You are a coding agent. Use your tools to do the task.")
     files = "(seq 1 1500; echo END-OF-BIG1) > big1.txt && (seq 2001 3500; echo END-OF-BIG2) > big2.txt"
@@ -185,12 +173,8 @@ async def test_claude_code_auto_compacts_with_a_configured_window(tiny_model_dir
     results of some 28,000 tokens a turn, so that the usage the gateway reports (the real token counts)
     crosses Claude Code's threshold within five turns; it compacts and goes on from the summary, one
     episode."""
-    clis, why = await asyncio.to_thread(installed_clis)
-    if clis is None:
-        pytest.skip(f"the real CLIs are not available: {why}")
-
-    def make(reply: str) -> Any:
-        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+    clis = await clis_or_skip()
+    make = standin_of(tiny_model_dir, tokenizer)
 
     small = ("--tools", "Bash", "--system-prompt", "You are a coding agent. Use your tools to do the task.",
              "--max-turns", "10")
@@ -226,12 +210,8 @@ def codex_script(prompt: str) -> str:
 async def test_codex_with_a_spawned_agent_four_attempts_as_a_group(tiny_model_dir: Path, tokenizer: Any,  # noqa: F811
                                                                    tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    clis, why = await asyncio.to_thread(installed_clis)
-    if clis is None:
-        pytest.skip(f"the real CLIs are not available: {why}")
-
-    def make(reply: str) -> Any:
-        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+    clis = await clis_or_skip()
+    make = standin_of(tiny_model_dir, tokenizer)
 
     engine = ByPrompt({"done": make("Done.")}, tokenizer, codex_script, make)
     async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):
@@ -279,12 +259,8 @@ async def test_codex_compacts_mid_task_and_stays_one_episode(compaction: str, ti
     ``remote-v2``: the built-in ``openai`` provider, a request ending in ``compaction_trigger`` that the
     gateway answers with one ``compaction`` item (the summary written by the model as a recorded turn), which
     the next window's input carries back."""
-    clis, why = await asyncio.to_thread(installed_clis)
-    if clis is None:
-        pytest.skip(f"the real CLIs are not available: {why}")
-
-    def make(reply: str) -> Any:
-        return build_app(str(tiny_model_dir), [reply], tokenizer=tokenizer, context_length=CONTEXT)
+    clis = await clis_or_skip()
+    make = standin_of(tiny_model_dir, tokenizer)
 
     engine = ByPrompt({"done": make("Done.")}, tokenizer, steps_script, make)
     async with served(tiny_model_dir, tokenizer, tmp_path, engine) as (base, app, _):

@@ -16,7 +16,6 @@ requests, headers and linking are still the CLI's own.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import shutil
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from agentrl.settings import load
 from agentrl.trajectory import decode_batch, export_session, turn_from_interaction
 from gateway.episodes import table
-from tests.gateway.episodes.clis import claude_command, installed_clis, run_group, served
+from tests.gateway.episodes.clis import claude_command, clis_or_skip, run_group, served
 from tests.gateway.episodes.conftest import ADMIN, AGENT
 from tests.gateway.episodes.replay import Replayer, scripted_replies
 from tests.gateway.episodes.replay import load as load_capture
@@ -81,9 +80,7 @@ SMALL = ("--tools", "Bash", "Agent", "--system-prompt", "You are a coding agent.
 
 async def test_one_step_over_a_real_claude_code_group(tiny_model_dir: Path, tokenizer: Any, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    clis, why = await asyncio.to_thread(installed_clis)
-    if clis is None:
-        pytest.skip(f"the real CLIs are not available: {why}")
+    clis = await clis_or_skip()
     async with served(tiny_model_dir, tokenizer, tmp_path) as (base, app, _):
         status, attempts, summary = await run_group(base, capsys, 2, "grep -qx hi hello.txt && echo 1 || echo 0",
                                                     claude_command(clis["claude"], *SMALL))
