@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import openai
 
 from agentrl.procs import Child, Processes
 from tests.conftest import free_port
+from tests.engine_hooks import wait_for
 from tests.gateway.conftest import gateway_starter
 
 HANG_GUARD_S = 180.0
@@ -42,14 +42,12 @@ def label(url: str, version: int) -> None:
 
 
 def wait_engines(admin: httpx.Client, what: str, ok: Any) -> dict[str, dict]:
-    """Until ``ok(engines by URL)`` holds for the gateway's ``GET /admin/engines``."""
-    deadline = time.monotonic() + HANG_GUARD_S
-    while True:
+    """Until ``ok(engines by URL)`` holds for the gateway's ``GET /admin/engines`` (``wait_for``'s hang guard)."""
+    def check() -> dict[str, dict] | None:
         engines = {e["url"]: e for e in admin.get("/admin/engines").json()["engines"]}
-        if ok(engines):
-            return engines
-        assert time.monotonic() < deadline, f"never {what}: {engines}"
-        time.sleep(0.1)
+        return engines if ok(engines) else None
+
+    return wait_for(check, f"the gateway's engines: {what}", poll_s=0.1)
 
 
 def ask(session: dict, n: int) -> None:
