@@ -6,6 +6,7 @@ thin wrappers around :func:`inprocess_gateway`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from gateway.app import create_app, load_tokenizer
 from gateway.settings import GatewaySettings
@@ -44,3 +46,25 @@ async def inprocess_gateway(engine: httpx.AsyncBaseTransport, *, tokenizer: Any,
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw",
                                          timeout=timeout) as http:
                 yield app, http
+
+
+@asynccontextmanager
+async def serve(app: Any) -> AsyncIterator[str]:
+    """``app`` on a real socket (its lifespan already run by the caller), for clients in other processes;
+    yields its base URL. Waits for uvicorn's ``started`` flag (a server that fails to start raises here)."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+            raise AssertionError("the server ended before it started")
+        await asyncio.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

@@ -10,7 +10,6 @@ in-process on a real socket over the scripted stand-in engine, which answers "4"
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -18,13 +17,12 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from agentrl.cli import build_parser
 from agentrl.group import GroupRun, check, reward_of
 from agentrl.trajectory import decode_batch
-from tests.conftest import free_port
 from tests.gateway.episodes.conftest import ADMIN, episode_gw, tokenizer  # noqa: F401 (fixtures)
+from tests.inprocess import serve
 
 AGENT = """
 import os, pathlib
@@ -60,15 +58,7 @@ async def test_four_attempts_rewarded_by_a_check_train_as_one_group(episode_gw: 
     task.mkdir()
     (task / "agent.py").write_text(AGENT)
     async with episode_gw(["4", "5", "4", "5"]) as gw:
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(gw.app, host="127.0.0.1", port=port, log_level="warning",
-                                               lifespan="off"))
-        serving = asyncio.create_task(server.serve())
-        try:
-            while not server.started:
-                assert not serving.done(), "the gateway did not start"
-                await asyncio.sleep(0.05)
-            base = f"http://127.0.0.1:{port}"
+        async with serve(gw.app) as base:
             args: argparse.Namespace = build_parser().parse_args([
                 "group", "--gateway", base, "--admin-key", ADMIN, "--size", "4", "--parallel", "1",
                 "--workdir", str(task), "--task-id", "two-plus-two",
@@ -81,9 +71,6 @@ async def test_four_attempts_rewarded_by_a_check_train_as_one_group(episode_gw: 
             async with httpx.AsyncClient(base_url=base, timeout=60) as http:
                 resp = await http.get("/v1/trajectories", params={"max_groups": 1, "wait_s": 30},
                                       headers={"Authorization": f"Bearer {ADMIN}"})
-        finally:
-            server.should_exit = True
-            await serving
         assert resp.status_code == 200, resp.text
         rows, meta = decode_batch(resp.content)
         assert meta["groups"][0]["group_id"] == summary["group_id"] and meta["groups"][0]["complete"] is True

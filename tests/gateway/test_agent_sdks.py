@@ -12,15 +12,12 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 
-from tests.conftest import free_port
 from tests.gateway.test_openai_inprocess import AGENT, CALL_PARIS, make_gw, tokenizer  # noqa: F401
+from tests.inprocess import serve
 
 AGENT_SCRIPT = r'''
 import asyncio, json, sys
@@ -43,24 +40,6 @@ result = asyncio.run(Runner.run(agent, "Weather in Paris?"))
 print(json.dumps({"final": result.final_output, "calls": calls,
                   "ids": [r.response_id for r in result.raw_responses]}))
 '''
-
-
-@asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    """The app on a real socket (its lifespan already runs in ``make_gw``)."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()
-        await asyncio.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def test_openai_agents_sdk_function_tool_round_trip(make_gw: Any, tmp_path: Path) -> None:

@@ -31,12 +31,11 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
-from tests.conftest import free_port
 from tests.gateway.episodes.conftest import ADMIN, AGENT
+from tests.inprocess import serve
 from tests.standin import build_app
 
 VERSIONS = {"claude": "@anthropic-ai/claude-code@2.1.197", "codex": "@openai/codex@0.171.0"}
@@ -146,19 +145,8 @@ async def served(tiny_model_dir: Path, tok: Any, tmp_path: Path, engine: ByPromp
     settings.validate()
     async with httpx.AsyncClient(transport=engine, timeout=120) as engine_http:
         app = create_app(settings, http=engine_http, tokenizer=tok)
-        async with app.router.lifespan_context(app):
-            port = free_port()
-            server = uvicorn.Server(uvicorn.Config(wrap(app) if wrap else app, host="127.0.0.1", port=port,
-                                                   log_level="warning", lifespan="off"))
-            task = asyncio.create_task(server.serve())
-            try:
-                while not server.started:
-                    assert not task.done(), "the gateway did not start"
-                    await asyncio.sleep(0.05)
-                yield f"http://127.0.0.1:{port}", app, engine
-            finally:
-                server.should_exit = True
-                await task
+        async with app.router.lifespan_context(app), serve(wrap(app) if wrap else app) as base:
+            yield base, app, engine
 
 
 CLAUDE_ENV = ("HOME=\"$AGENTRL_WORKDIR/../home\" CLAUDE_CONFIG_DIR=\"$AGENTRL_WORKDIR/../home/.claude\" TERM=dumb "

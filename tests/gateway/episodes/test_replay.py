@@ -9,18 +9,17 @@ PostgreSQL + Redis in another.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import httpx
-import uvicorn
 
 from agentrl.trajectory import export_session, turn_from_interaction
 from gateway.episodes import compaction, table
-from tests.conftest import REDIS_URL, free_port
+from tests.conftest import REDIS_URL
 from tests.gateway.episodes.conftest import ADMIN, AGENT, Gw
 from tests.gateway.episodes.replay import Replayer, load, role_of, scripted_replies, sse_events
+from tests.inprocess import serve
 
 
 async def replay(gw: Gw, rows: list[dict[str, Any]], http: httpx.AsyncClient | None = None) -> Replayer:
@@ -212,19 +211,9 @@ async def test_claude_compaction_auto_reactive_and_manual(episode_gw: Any) -> No
 async def test_replay_over_a_real_socket(episode_gw: Any) -> None:
     rows = load("A1b_claude_subagent_parallel.jsonl")
     async with episode_gw(scripted_replies(rows)) as gw:
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(gw.app, host="127.0.0.1", port=port, log_level="warning",
-                                               lifespan="off"))
-        task = asyncio.create_task(server.serve())
-        try:
-            while not server.started:
-                assert not task.done(), "the server did not start"
-                await asyncio.sleep(0.05)
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+        async with serve(gw.app) as base_url:
+            async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
                 player = await replay(gw, rows, http)
-        finally:
-            server.should_exit = True
-            await task
         sid, turns, threads = await episode(gw, player.answers)
         assert sorted(r.status for r in threads.values()) == ["confirmed", "confirmed", "root"]
 
